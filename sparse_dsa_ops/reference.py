@@ -143,7 +143,7 @@ def sparse_attn(
     ``dequant_k_cache(kv)``; a float8_e4m3fn pool is used as its raw values.
     """
     t_count, heads, d_qk = q.shape
-    indices = indices.reshape(t_count, -1)  # [T, K]
+    indices = indices.reshape(t_count, indices.shape[-1])  # [T, K]
     topk = indices.shape[1]
     num_slots = flatten_pool(kv).shape[0]
     out = torch.zeros(t_count, heads, d_v, dtype=torch.bfloat16, device=q.device)  # [T, H, d_v]
