@@ -1,0 +1,217 @@
+"""The torch.library contract: schemas, opcheck, torch.compile and the argument checker."""
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import sparse_dsa_ops as dsa
+from sparse_dsa_ops.ops import SCHEMAS
+
+
+def test_schemas_are_exact():
+    expect = {
+        "quant_k_cache": "dsa::quant_k_cache(Tensor k_nope, Tensor? k_rope, bool round_scale=False) -> Tensor",
+        "store_k_cache": "dsa::store_k_cache(Tensor k_nope, Tensor? k_rope, Tensor(a!) cache, Tensor loc, "
+        "bool round_scale=False) -> ()",
+        "dequant_k_cache": "dsa::dequant_k_cache(Tensor packed) -> Tensor",
+        "gather_k_cache": "dsa::gather_k_cache(Tensor cache, Tensor indices) -> Tensor",
+        "gather_dequant_k_cache": "dsa::gather_dequant_k_cache(Tensor cache, Tensor indices) -> Tensor",
+        "sparse_attn": "dsa::sparse_attn(Tensor q, Tensor kv, Tensor indices, float sm_scale, int d_v, "
+        "Tensor? topk_length=None) -> (Tensor, Tensor)",
+    }
+    assert set(SCHEMAS) == set(expect)
+    for name, schema in expect.items():
+        assert str(getattr(torch.ops.dsa, name).default._schema) == schema
+
+
+def _op_samples(gen):
+    k = torch.randn(6, 512, generator=gen).bfloat16()
+    r = torch.randn(6, 64, generator=gen).bfloat16()
+    k_glm = torch.randn(5, 256, generator=gen).bfloat16()
+    packed = dsa.quant_k_cache(k, r)
+    pool = packed.repeat(4, 1).reshape(3, 8, 1, 656).clone()
+    ids = torch.tensor([3, -1, 23, 99, 0], dtype=torch.int32)
+    q = torch.randn(3, 16, 576, generator=gen).bfloat16()
+    idx = torch.randint(-1, 24, (3, 64), generator=gen, dtype=torch.int32)
+    lengths = torch.tensor([64, 0, 17], dtype=torch.int32)
+    kv_bf16 = torch.randn(24, 256, generator=gen).bfloat16()
+    return [
+        ("quant_k_cache", (k, r, False)),
+        ("quant_k_cache", (k_glm, None, True)),
+        ("store_k_cache", (k, r, pool, torch.tensor([1, -1, 5, 30, 7, 2]), False)),
+        ("store_k_cache", (k_glm, None, torch.zeros(2, 4, 264, dtype=torch.uint8), ids, True)),
+        ("dequant_k_cache", (packed,)),
+        ("dequant_k_cache", (pool,)),
+        ("gather_k_cache", (pool, ids)),
+        ("gather_dequant_k_cache", (pool, ids.long())),
+        ("sparse_attn", (q, pool, idx, 0.05, 512, lengths)),
+        ("sparse_attn", (q[..., :256], kv_bf16, idx, 0.05, 256, None)),
+    ]
+
+
+@pytest.mark.parametrize("case", range(10))
+def test_opcheck(gen, case):
+    name, args = _op_samples(gen)[case]
+    torch.library.opcheck(getattr(torch.ops.dsa, name).default, args)
+
+
+@pytest.mark.parametrize("case", [0, 4, 6, 7, 8, 9])
+def test_fake_matches_real(gen, case):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    name, args = _op_samples(gen)[case]
+    op = getattr(torch.ops.dsa, name).default
+    real = op(*args)
+    with FakeTensorMode() as mode:
+        fake = op(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args])
+    for r, f in zip(real if isinstance(real, tuple) else (real,), fake if isinstance(fake, tuple) else (fake,)):
+        assert (r.shape, r.dtype, r.stride(), r.device) == (f.shape, f.dtype, f.stride(), f.device)
+
+
+def _decode_step(k_nope, k_rope, cache, loc, q, indices, lengths):
+    torch.ops.dsa.store_k_cache(k_nope, k_rope, cache, loc)
+    return torch.ops.dsa.sparse_attn(q, cache, indices, 0.0625, 512, lengths)
+
+
+def _decode_inputs(gen, t_count, slots=64):
+    return dict(
+        k_nope=torch.randn(t_count, 512, generator=gen).bfloat16(),
+        k_rope=torch.randn(t_count, 64, generator=gen).bfloat16(),
+        cache=dsa.quant_k_cache(torch.randn(slots, 512, generator=gen).bfloat16(),
+                                torch.randn(slots, 64, generator=gen).bfloat16()).reshape(slots // 16, 16, 656),
+        loc=torch.randperm(slots, generator=gen)[:t_count].to(torch.int32),
+        q=torch.randn(t_count, 16, 576, generator=gen).bfloat16(),
+        indices=torch.randint(-1, slots, (t_count, 128), generator=gen, dtype=torch.int32),
+        lengths=torch.randint(0, 129, (t_count,), generator=gen, dtype=torch.int32),
+    )
+
+
+def _run_step(step, inputs):
+    inputs = {k: v.clone() for k, v in inputs.items()}
+    out, lse = step(**inputs)
+    return out, lse, inputs["cache"]
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compile_decode_step(gen, backend):
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(backend)
+    step = torch.compile(_decode_step, backend=counter, fullgraph=True, dynamic=True)
+    for t_count in (2, 3, 5, 9):
+        inputs = _decode_inputs(gen, t_count)
+        # the rows stored this step are attended to: every token selects the first new slot
+        inputs["indices"][:, 0] = inputs["loc"][0]
+        got = _run_step(step, inputs)
+        want = _run_step(_decode_step, inputs)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+        assert got[0].isfinite().all() and got[0].abs().sum() > 0
+    assert counter.frame_count == 1  # one graph for every token count, no graph break
+
+
+@pytest.mark.parametrize("backend", ["aot_eager"])
+def test_compile_reports_bad_input_at_trace_time(gen, backend):
+    torch._dynamo.reset()
+    step = torch.compile(_decode_step, backend=backend, fullgraph=True, dynamic=True)
+    inputs = _decode_inputs(gen, 3)
+    inputs["indices"] = inputs["indices"].long()
+    with pytest.raises(Exception, match="indices must be int32"):
+        step(**inputs)
+
+
+# ------------------------------------------------------------------------------------------
+# Bad input: each case names the argument and what it needs.
+
+BF = torch.bfloat16
+U8 = torch.uint8
+I32 = torch.int32
+
+
+def _z(*shape, dtype=BF):
+    return torch.zeros(*shape, dtype=dtype)
+
+
+BAD_CALLS = {
+    "quant-float32": (dsa.quant_k_cache, (_z(4, 512, dtype=torch.float32), None), TypeError, "k_nope must be bfloat16"),
+    "quant-rank": (dsa.quant_k_cache, (_z(4, 1, 512), None), ValueError, "k_nope must be 2-d"),
+    "quant-width": (dsa.quant_k_cache, (_z(4, 500), None), ValueError, "multiple of 128"),
+    "quant-rope-rows": (dsa.quant_k_cache, (_z(4, 512), _z(3, 64)), ValueError, "k_rope must be"),
+    "quant-rope-dtype": (dsa.quant_k_cache, (_z(4, 512), _z(4, 64, dtype=torch.float16)), TypeError, "k_rope"),
+    "quant-strided": (dsa.quant_k_cache, (_z(512, 4).T, None), ValueError, "contiguous in its last dim"),
+    "store-width": (dsa.store_k_cache, (_z(2, 512), _z(2, 64), _z(8, 264, dtype=U8), _z(2, dtype=I32)), ValueError,
+                    "656-byte rows"),
+    "store-loc-len": (dsa.store_k_cache, (_z(2, 256), None, _z(8, 264, dtype=U8), _z(3, dtype=I32)), ValueError,
+                      "loc must be of length 2"),
+    "store-loc-dtype": (dsa.store_k_cache, (_z(2, 256), None, _z(8, 264, dtype=U8), _z(2)), TypeError,
+                        "loc must be int32 or int64"),
+    "store-cache-dtype": (dsa.store_k_cache, (_z(2, 256), None, _z(8, 264), _z(2, dtype=I32)), TypeError,
+                          "cache must be uint8"),
+    "store-cache-heads": (dsa.store_k_cache, (_z(2, 256), None, _z(2, 4, 2, 264, dtype=U8), _z(2, dtype=I32)),
+                          ValueError, "single KV head"),
+    "store-cache-strided": (dsa.store_k_cache, (_z(2, 256), None, _z(8, 300, dtype=U8)[:, :264], _z(2, dtype=I32)),
+                            ValueError, "cache must be contiguous"),
+    "dequant-width": (dsa.dequant_k_cache, (_z(4, 600, dtype=U8),), ValueError, "nearest valid widths"),
+    "dequant-dtype": (dsa.dequant_k_cache, (_z(4, 656, dtype=torch.int8),), TypeError, "packed must be uint8"),
+    "gather-ids-dtype": (dsa.gather_k_cache, (_z(8, 656, dtype=U8), _z(3, dtype=torch.int16)), TypeError,
+                         "indices must be int32 or int64"),
+    "gather-ids-rank": (dsa.gather_k_cache, (_z(8, 656, dtype=U8), _z(3, 1, dtype=I32)), ValueError,
+                        "indices must be 1-d"),
+    "gather-width": (dsa.gather_dequant_k_cache, (_z(8, 576, dtype=U8), _z(3, dtype=I32)), ValueError,
+                     "cache has rows of 576 bytes"),
+    "gather-rank": (dsa.gather_k_cache, (_z(656, dtype=U8), _z(3, dtype=I32)), ValueError, "cache must be 2-d"),
+    "attn-q-dtype": (dsa.sparse_attn, (_z(2, 8, 256, dtype=torch.float16), _z(8, 256), _z(2, 64, dtype=I32), 0.1, 256),
+                     TypeError, "q must be bfloat16"),
+    "attn-q-fp8-with-bf16-kv": (dsa.sparse_attn, (_z(2, 8, 256, dtype=torch.float8_e4m3fn), _z(8, 256),
+                                _z(2, 64, dtype=I32), 0.1, 256), TypeError, "q must be bfloat16"),
+    "attn-q-rank": (dsa.sparse_attn, (_z(8, 256), _z(8, 256), _z(8, 64, dtype=I32), 0.1, 256), ValueError,
+                    "q must be 3-d"),
+    "attn-kv-width": (dsa.sparse_attn, (_z(2, 8, 576), _z(8, 512), _z(2, 64, dtype=I32), 0.1, 512), ValueError,
+                      "kv must be rows of width d_qk = 576"),
+    "attn-kv-dtype": (dsa.sparse_attn, (_z(2, 8, 256), _z(8, 256, dtype=torch.float32), _z(2, 64, dtype=I32), 0.1,
+                      256), TypeError, "kv must be bfloat16"),
+    "attn-packed-width": (dsa.sparse_attn, (_z(2, 8, 576), _z(8, 264, dtype=U8), _z(2, 64, dtype=I32), 0.1, 512),
+                          ValueError, "packed rows of 656 bytes"),
+    "attn-packed-dv": (dsa.sparse_attn, (_z(2, 8, 576), _z(8, 656, dtype=U8), _z(2, 64, dtype=I32), 0.1, 500),
+                       ValueError, "d_v must be a multiple of 128"),
+    "attn-dv-range": (dsa.sparse_attn, (_z(2, 8, 256), _z(8, 256), _z(2, 64, dtype=I32), 0.1, 300), ValueError,
+                      r"d_v must be an int in \[1, d_qk = 256\]"),
+    "attn-idx-dtype": (dsa.sparse_attn, (_z(2, 8, 256), _z(8, 256), _z(2, 64, dtype=torch.int64), 0.1, 256),
+                       TypeError, "indices must be int32"),
+    "attn-idx-tokens": (dsa.sparse_attn, (_z(2, 8, 256), _z(8, 256), _z(3, 64, dtype=I32), 0.1, 256), ValueError,
+                        "T = 2 like q"),
+    "attn-idx-topk": (dsa.sparse_attn, (_z(2, 8, 256), _z(8, 256), _z(2, 100, dtype=I32), 0.1, 256), ValueError,
+                      "multiple of 64"),
+    "attn-idx-heads": (dsa.sparse_attn, (_z(2, 8, 256), _z(8, 256), _z(2, 2, 64, dtype=I32), 0.1, 256), ValueError,
+                       r"\[T, 1, K\]"),
+    "attn-lengths": (dsa.sparse_attn, (_z(2, 8, 256), _z(8, 256), _z(2, 64, dtype=I32), 0.1, 256, _z(3, dtype=I32)),
+                     ValueError, "topk_length must be"),
+    "attn-lengths-dtype": (dsa.sparse_attn, (_z(2, 8, 256), _z(8, 256), _z(2, 64, dtype=I32), 0.1, 256,
+                           _z(2, dtype=torch.int64)), TypeError, "topk_length must be int32"),
+    "attn-scale-nan": (dsa.sparse_attn, (_z(2, 8, 256), _z(8, 256), _z(2, 64, dtype=I32), float("nan"), 256),
+                       ValueError, "sm_scale must be a finite float"),
+    "attn-kv-heads": (dsa.sparse_attn, (_z(2, 8, 256), _z(2, 4, 2, 256), _z(2, 64, dtype=I32), 0.1, 256), ValueError,
+                      "single KV head"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CALLS))
+def test_bad_input(case):
+    fn, args, exc, message = BAD_CALLS[case]
+    with pytest.raises(exc, match=message):
+        fn(*args)
+
+
+def test_bad_input_names_what_it_got():
+    with pytest.raises(ValueError) as info:
+        dsa.sparse_attn(_z(2, 8, 576), _z(8, 512), _z(2, 64, dtype=I32), 0.1, 512)
+    assert str(info.value) == "dsa.sparse_attn: kv must be rows of width d_qk = 576 like q, got bfloat16 [8, 512] on cpu"
+
+
+def test_device_mix_is_rejected():
+    meta = torch.zeros(8, 256, dtype=BF, device="meta")
+    with pytest.raises(ValueError, match="q must be on meta like the other tensors"):
+        dsa.sparse_attn(_z(2, 8, 256), meta, _z(2, 64, dtype=I32).to("meta"), 0.1, 256)
+    with pytest.raises(ValueError, match="k_rope must be on cpu"):
+        dsa.quant_k_cache(_z(2, 512), _z(2, 64).to("meta"))
+    with pytest.raises(ValueError, match="loc must be on cpu"):
+        dsa.store_k_cache(_z(2, 256), None, _z(8, 264, dtype=U8), _z(2, dtype=I32).to("meta"))
