@@ -204,7 +204,8 @@ def test_bad_input(case):
 def test_bad_input_names_what_it_got():
     with pytest.raises(ValueError) as info:
         dsa.sparse_attn(_z(2, 8, 576), _z(8, 512), _z(2, 64, dtype=I32), 0.1, 512)
-    assert str(info.value) == "dsa.sparse_attn: kv must be rows of width d_qk = 576 like q, got bfloat16 [8, 512] on cpu"
+    expect = "dsa.sparse_attn: kv must be rows of width d_qk = 576 like q, got bfloat16 [8, 512] on cpu"
+    assert str(info.value) == expect
 
 
 def test_device_mix_is_rejected():
