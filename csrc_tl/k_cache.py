@@ -1,0 +1,235 @@
+"""TileLang kernels of the packed FP8 K cache: quantize (+ scatter into the pool), dequantize
+(+ gather from the pool) and the byte gather of packed rows.
+
+A pool is addressed as ``[S, B]`` uint8 rows (``KCacheLayout.row_bytes`` = B). Inside a kernel the
+same bytes are read through typed views: float8_e4m3fn ``[S, B]`` for the values, float32
+``[S, B / 4]`` for the scales and bfloat16 ``[S, B / 2]`` for the RoPE tail. Row counts (N, M, S)
+are dynamic: one compiled kernel serves every batch. Slot ids outside ``[0, S)`` are never
+dereferenced: stores skip them, gathers return zero rows.
+
+Work split: a *group* of 32 threads owns one 128-wide tile ("line") at a time, 4 values per thread,
+and reduces the tile's amax with a width-32 butterfly (portable to 64-wide AMD wavefronts). The
+group that owns a row's first tile also moves the row's RoPE tail. Each builder is a pure function
+of the layout (a frozen ``KCacheLayout``) and a few flags.
+"""
+
+import tilelang.language as T
+
+from sparse_dsa_ops.layout import FP8_MAX, QUANT_TILE, KCacheLayout
+
+__all__ = ["build_quant", "build_dequant", "build_gather_bytes", "THREADS", "LINES_PER_BLOCK", "ROWS_PER_BLOCK"]
+
+THREADS = 128
+GROUP = 32  # threads per 128-wide tile
+PER_THREAD = QUANT_TILE // GROUP  # 4 values
+GROUPS = THREADS // GROUP
+STEPS = 4  # tiles each group handles in turn
+LINES_PER_BLOCK = GROUPS * STEPS  # 128-wide tiles per block (quant / dequant kernels)
+ROWS_PER_BLOCK = GROUPS * STEPS  # rows per block (byte gather)
+POW2_ROUND_UP = 0x7FFFFF  # added to a positive float32's bits, then masked: round up to 2^k
+EXPONENT_MASK = -0x800000  # 0xFF800000 as int32: sign and exponent bits
+
+
+@T.macro
+def _group_max(acc):
+    """``acc[0] = max over the 32 threads of a group`` (butterfly, width 32) for a local ``[1]`` buffer."""
+    for delta in (16, 8, 4, 2, 1):
+        acc[0] = T.max(acc[0], T.shfl_xor(acc[0], delta, GROUP))
+
+
+def build_quant(layout: KCacheLayout, *, round_scale: bool, scatter: bool, slot_dtype: str = "int32"):
+    """Quantize K rows into packed rows.
+
+    scatter=False (``quant_k_cache``): ``(k_nope [N, d_nope] bf16, [k_rope [N, d_rope] bf16,]
+    out [N, B] uint8)``, row i into out row i.
+    scatter=True (``store_k_cache``): ``(k_nope, [k_rope,] loc [N] slot_dtype, pool [S, B] uint8)``,
+    row i into pool row ``loc[i]``; ids outside ``[0, S)`` are skipped.
+    The k_rope argument exists only when d_rope > 0. Grid: ``ceil(N * d_nope / 128 / LINES_PER_BLOCK)``.
+    """
+    d_nope, d_rope, row_bytes = layout.d_nope, layout.d_rope, layout.row_bytes
+    n_tiles = layout.num_scales
+    scale_word = layout.scale_offset // 4  # float32 index of the first scale in a row
+    rope_half = layout.rope_offset // 2  # bfloat16 index of the first tail element in a row
+    rope_steps = T.ceildiv(d_rope, GROUP) if d_rope else 0
+    n = T.dynamic("n")
+    s = T.dynamic("s") if scatter else n
+
+    @T.macro
+    def quantize(k_nope, k_rope, loc, pool):
+        with T.Kernel(T.ceildiv(n * n_tiles, LINES_PER_BLOCK), threads=THREADS) as bx:
+            values = T.view(pool, (s, row_bytes), T.float8_e4m3fn)
+            scales = T.view(pool, (s, row_bytes // 4), T.float32)
+            tx = T.get_thread_binding()
+            lane = tx % GROUP
+            x = T.alloc_local((PER_THREAD,), T.float32)
+            q = T.alloc_local((PER_THREAD,), T.float8_e4m3fn)
+            scale = T.alloc_local((1,), T.float32)
+            slot_var = T.alloc_local((1,), T.int64)
+            for step in T.serial(STEPS):
+                line = bx * LINES_PER_BLOCK + step * GROUPS + tx // GROUP
+                row = line // n_tiles
+                tile = line % n_tiles
+                if row < n:
+                    slot_var[0] = T.cast(loc[row], T.int64) if scatter else T.cast(row, T.int64)
+                    slot = slot_var[0]
+                    for v in T.vectorized(PER_THREAD):
+                        x[v] = T.cast(k_nope[row, tile * QUANT_TILE + lane * PER_THREAD + v], T.float32)
+                    scale[0] = T.max(T.max(T.abs(x[0]), T.abs(x[1])), T.max(T.abs(x[2]), T.abs(x[3])))
+                    _group_max(scale)
+                    scale[0] = scale[0] / FP8_MAX
+                    if scale[0] == 0.0:  # an all-zero (or underflowing) tile
+                        scale[0] = 1.0
+                    if round_scale:
+                        scale[0] = T.reinterpret(
+                            (T.reinterpret(scale[0], T.int32) + POW2_ROUND_UP) & EXPONENT_MASK, T.float32)
+                    if slot >= 0 and slot < s:
+                        for v in T.vectorized(PER_THREAD):
+                            q[v] = T.cast(T.clamp(x[v] / scale[0], -FP8_MAX, FP8_MAX), T.float8_e4m3fn)
+                        for v in T.vectorized(PER_THREAD):
+                            values[slot, tile * QUANT_TILE + lane * PER_THREAD + v] = q[v]
+                        if lane == 0:
+                            scales[slot, scale_word + tile] = scale[0]
+                        if d_rope:
+                            if tile == 0:
+                                tails = T.view(pool, (s, row_bytes // 2), T.bfloat16)
+                                for c in T.serial(rope_steps):
+                                    col = c * GROUP + lane
+                                    if col < d_rope:
+                                        tails[slot, rope_half + col] = k_rope[row, col]
+
+    k_nope_t = T.Tensor((n, d_nope), T.bfloat16)
+    pool_t = T.Tensor((s, row_bytes), T.uint8)
+    loc_t = T.Tensor((n,), slot_dtype)
+    rope_t = T.Tensor((n, max(d_rope, 1)), T.bfloat16)
+    if d_rope and scatter:
+
+        @T.prim_func
+        def store_k_cache(k_nope: k_nope_t, k_rope: rope_t, loc: loc_t, pool: pool_t):
+            quantize(k_nope, k_rope, loc, pool)
+
+        return store_k_cache
+    if scatter:
+
+        @T.prim_func
+        def store_k_cache(k_nope: k_nope_t, loc: loc_t, pool: pool_t):
+            quantize(k_nope, None, loc, pool)
+
+        return store_k_cache
+    if d_rope:
+
+        @T.prim_func
+        def quant_k_cache(k_nope: k_nope_t, k_rope: rope_t, out: pool_t):
+            quantize(k_nope, k_rope, None, out)
+
+        return quant_k_cache
+
+    @T.prim_func
+    def quant_k_cache(k_nope: k_nope_t, out: pool_t):
+        quantize(k_nope, None, None, out)
+
+    return quant_k_cache
+
+
+def build_dequant(layout: KCacheLayout, *, gather: bool, slot_dtype: str = "int32"):
+    """Dequantize packed rows into ``[M, d_nope + d_rope]`` bf16: ``bf16(float32(fp8) * scale)``.
+
+    gather=False (``dequant_k_cache``): ``(packed [M, B] uint8, out [M, d_qk] bf16)``.
+    gather=True (``gather_dequant_k_cache``): ``(pool [S, B] uint8, ids [M] slot_dtype, out)``;
+    ids outside ``[0, S)`` give zero rows and are not dereferenced.
+    """
+    d_nope, d_rope, d_qk, row_bytes = layout.d_nope, layout.d_rope, layout.d_qk, layout.row_bytes
+    n_tiles = layout.num_scales
+    scale_word = layout.scale_offset // 4
+    rope_half = layout.rope_offset // 2
+    rope_steps = T.ceildiv(d_rope, GROUP) if d_rope else 0
+    m = T.dynamic("m")
+    s = T.dynamic("s") if gather else m
+
+    @T.macro
+    def dequantize(pool, ids, out):
+        with T.Kernel(T.ceildiv(m * n_tiles, LINES_PER_BLOCK), threads=THREADS) as bx:
+            values = T.view(pool, (s, row_bytes), T.float8_e4m3fn)
+            scales = T.view(pool, (s, row_bytes // 4), T.float32)
+            tx = T.get_thread_binding()
+            lane = tx % GROUP
+            q = T.alloc_local((PER_THREAD,), T.float8_e4m3fn)
+            y = T.alloc_local((PER_THREAD,), T.bfloat16)
+            slot_var = T.alloc_local((1,), T.int64)
+            for step in T.serial(STEPS):
+                line = bx * LINES_PER_BLOCK + step * GROUPS + tx // GROUP
+                row = line // n_tiles
+                tile = line % n_tiles
+                if row < m:
+                    slot_var[0] = T.cast(ids[row], T.int64) if gather else T.cast(row, T.int64)
+                    slot = slot_var[0]
+                    if slot >= 0 and slot < s:
+                        scale = scales[slot, scale_word + tile]
+                        for v in T.vectorized(PER_THREAD):
+                            q[v] = values[slot, tile * QUANT_TILE + lane * PER_THREAD + v]
+                        for v in T.vectorized(PER_THREAD):
+                            y[v] = T.cast(T.cast(q[v], T.float32) * scale, T.bfloat16)
+                    else:
+                        for v in T.vectorized(PER_THREAD):
+                            y[v] = T.cast(0.0, T.bfloat16)
+                    for v in T.vectorized(PER_THREAD):
+                        out[row, tile * QUANT_TILE + lane * PER_THREAD + v] = y[v]
+                    if d_rope:
+                        if tile == 0:
+                            tails = T.view(pool, (s, row_bytes // 2), T.bfloat16)
+                            for c in T.serial(rope_steps):
+                                col = c * GROUP + lane
+                                if col < d_rope:
+                                    if slot >= 0 and slot < s:
+                                        out[row, d_nope + col] = tails[slot, rope_half + col]
+                                    else:
+                                        out[row, d_nope + col] = T.cast(0.0, T.bfloat16)
+
+    pool_t = T.Tensor((s, row_bytes), T.uint8)
+    out_t = T.Tensor((m, d_qk), T.bfloat16)
+    if gather:
+
+        @T.prim_func
+        def gather_dequant_k_cache(pool: pool_t, ids: T.Tensor((m,), slot_dtype), out: out_t):
+            dequantize(pool, ids, out)
+
+        return gather_dequant_k_cache
+
+    @T.prim_func
+    def dequant_k_cache(packed: pool_t, out: out_t):
+        dequantize(packed, None, out)
+
+    return dequant_k_cache
+
+
+def build_gather_bytes(layout: KCacheLayout, *, slot_dtype: str = "int32"):
+    """Copy packed rows: ``(pool [S, B] uint8, ids [M] slot_dtype, out [M, B] uint8)``.
+
+    Rows move as 4-byte words (B is a multiple of 4); ids outside ``[0, S)`` give zero rows.
+    """
+    words = layout.row_bytes // 4
+    steps = T.ceildiv(words, GROUP)
+    m, s = T.dynamic("m"), T.dynamic("s")
+
+    @T.prim_func
+    def gather_k_cache(pool: T.Tensor((s, layout.row_bytes), T.uint8), ids: T.Tensor((m,), slot_dtype),
+                       out: T.Tensor((m, layout.row_bytes), T.uint8)):
+        with T.Kernel(T.ceildiv(m, ROWS_PER_BLOCK), threads=THREADS) as bx:
+            src = T.view(pool, (s, words), T.int32)
+            dst = T.view(out, (m, words), T.int32)
+            tx = T.get_thread_binding()
+            lane = tx % GROUP
+            slot_var = T.alloc_local((1,), T.int64)
+            for step in T.serial(STEPS):
+                row = bx * ROWS_PER_BLOCK + step * GROUPS + tx // GROUP
+                if row < m:
+                    slot_var[0] = T.cast(ids[row], T.int64)
+                    slot = slot_var[0]
+                    for c in T.serial(steps):
+                        col = c * GROUP + lane
+                        if col < words:
+                            if slot >= 0 and slot < s:
+                                dst[row, col] = src[slot, col]
+                            else:
+                                dst[row, col] = 0
+
+    return gather_k_cache
