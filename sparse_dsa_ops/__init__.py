@@ -4,7 +4,7 @@ The ops run pure-Torch code on the CPU (``reference.py``, also the test oracle) 
 kernels on GPUs where they exist. See ``ops.py`` for the contract of each op.
 """
 
-from . import reference
+from . import _cuda, reference
 from .layout import KCacheLayout
 from .ops import (
     dequant_k_cache,
@@ -28,6 +28,43 @@ register_backend(
     },
 )
 
+register_backend("cuda", _cuda.IMPLS)  # also serves ROCm builds of torch (device type "cuda")
+
+
+def warmup(
+    *,
+    heads: int,
+    d_nope: int,
+    d_rope: int,
+    sm_scale: float,
+    kv_kinds: tuple[str, ...] = ("bf16", "packed"),
+    topk_length: tuple[bool, ...] = (False, True),
+    cache_ops: bool = True,
+    round_scale: tuple[bool, ...] = (False, True),
+    slot_dtypes: tuple[str, ...] = ("int32", "int64"),
+    progress: bool = True,
+) -> None:
+    """Compile, in parallel and ahead of time, every GPU kernel one model geometry can use.
+
+    Call it before capturing CUDA graphs: compiling inside a capture raises. TileLang's disk cache
+    (``TILELANG_CACHE_DIR``) makes the next process's warmup fast. ``sm_scale`` is compiled into
+    the attention kernels, so pass the model's exact value.
+    """
+    lay = KCacheLayout(d_nope, d_rope)
+    keys = []
+    for kind in kv_kinds:
+        for has_len in topk_length:
+            keys += _cuda.attn_keys(kind, d_nope, d_rope, heads, sm_scale, has_len)
+    if cache_ops:
+        for slot in slot_dtypes:
+            for rs in round_scale:
+                keys += _cuda.cache_keys("quant_k_cache", lay, rs) + _cuda.cache_keys("store_k_cache", lay, rs, slot)
+            keys += _cuda.cache_keys("gather_k_cache", lay, slot_dtype=slot)
+            keys += _cuda.cache_keys("gather_dequant_k_cache", lay, slot_dtype=slot)
+        keys += _cuda.cache_keys("dequant_k_cache", lay)
+    _cuda.warmup(keys, progress=progress)
+
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -38,4 +75,5 @@ __all__ = [
     "gather_k_cache",
     "gather_dequant_k_cache",
     "sparse_attn",
+    "warmup",
 ]

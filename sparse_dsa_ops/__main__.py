@@ -1,12 +1,19 @@
-"""``python -m sparse_dsa_ops [check]``: the environment, then every op checked against the reference.
+"""``python -m sparse_dsa_ops [check | source | bench]``.
 
-Runs each op at the DeepSeek V3.2 and GLM-5.3-Flash geometries on the best device available
-(a CUDA GPU if there is one, else the CPU, where the ops *are* the reference) and prints a table.
+* ``check`` (the default): the environment, then every op at the DeepSeek V3.2 and GLM-5.3-Flash
+  geometries on the best device available (a CUDA GPU if there is one, else the CPU, where the ops
+  *are* the reference), checked against the reference, as a table.
+* ``source``: the generated TileLang kernel source of an op for one geometry, for CUDA (sm_90a) or
+  HIP (gfx950); needs no GPU.
+* ``bench``: GPU timings with CUDA-graph replay beside a bf16 matmul and a device copy measured in
+  the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import platform
 import sys
 import time
@@ -170,17 +177,185 @@ def check(device: torch.device) -> int:
     return failures
 
 
+CACHE_OPS = ("quant_k_cache", "store_k_cache", "dequant_k_cache", "gather_k_cache", "gather_dequant_k_cache")
+
+
+def source(args: argparse.Namespace) -> int:
+    """Print the generated source of every kernel the op runs for the geometry."""
+    from . import _cuda
+
+    if args.op == "sparse_attn":
+        sm_scale = args.sm_scale if args.sm_scale is not None else (args.d_nope + args.d_rope) ** -0.5
+        keys = _cuda.attn_keys(args.kv, args.d_nope, args.d_rope, args.heads, sm_scale, args.topk_length)
+    else:
+        keys = _cuda.cache_keys(args.op, KCacheLayout(args.d_nope, args.d_rope), args.round_scale, args.slot_dtype)
+    for key in keys:
+        print(f"// ===== {key.name}, target {args.target} ({_cuda.TARGETS[args.target]}) =====")
+        print(_cuda.lower_source(key, args.target))
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# bench
+
+
+def _graph_time_us(fn: Callable[[], object], reps: int = 20) -> float:
+    """Mean time of ``fn`` replayed from a CUDA graph that holds ``reps`` calls."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = math.inf
+    for _ in range(5):
+        start.record()
+        graph.replay()
+        stop.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(stop) * 1e3 / reps)
+    return best
+
+
+def _ceilings() -> dict[str, float]:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    c = torch.empty(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm_us = _graph_time_us(lambda: torch.mm(a, b, out=c), reps=5)
+    del a, b, c
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy_us = _graph_time_us(lambda: dst.copy_(src), reps=5)
+    del src, dst
+    return {"matmul_tflops": 2 * 8192**3 / mm_us / 1e6, "copy_gbps": 2 * (1 << 30) / copy_us / 1e3}
+
+
+def _attn_case(name, kind, d_nope, d_rope, heads, tokens, slots, topk):
+    def make():
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        d_qk = d_nope + d_rope
+        q = torch.randn(tokens, heads, d_qk, device="cuda", dtype=torch.bfloat16, generator=gen)
+        kv = torch.randn(slots, d_qk, device="cuda", dtype=torch.bfloat16, generator=gen)
+        if kind == "packed":
+            kv = torch.ops.dsa.quant_k_cache(kv[:, :d_nope].contiguous(),
+                                             kv[:, d_nope:].contiguous() if d_rope else None)
+        idx = torch.randint(0, slots, (tokens, topk), device="cuda", dtype=torch.int32, generator=gen)
+        return (q, kv, idx, d_qk**-0.5, d_nope)
+
+    flops = 2 * tokens * heads * topk * (2 * d_nope + d_rope)
+    return dict(name=name, op="sparse_attn", make=make, flops=flops, bytes=None)
+
+
+def _cache_case(name, op, d_nope, d_rope, rows):
+    lay = KCacheLayout(d_nope, d_rope)
+
+    def make():
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        k = torch.randn(rows, d_nope, device="cuda", dtype=torch.bfloat16, generator=gen)
+        r = torch.randn(rows, d_rope, device="cuda", dtype=torch.bfloat16, generator=gen) if d_rope else None
+        if op == "quant_k_cache":
+            return (k, r, False)
+        pool = torch.ops.dsa.quant_k_cache(k, r)
+        ids = torch.randperm(rows, device="cuda", generator=gen).int()
+        if op == "store_k_cache":
+            return (k, r, pool, ids, False)
+        if op == "dequant_k_cache":
+            return (pool,)
+        return (pool, ids)
+
+    in_bytes = {"quant_k_cache": 2 * lay.d_qk, "store_k_cache": 2 * lay.d_qk + 4, "dequant_k_cache": lay.row_bytes,
+                "gather_k_cache": lay.row_bytes + 4, "gather_dequant_k_cache": lay.row_bytes + 4}[op]
+    out_bytes = 2 * lay.d_qk if "dequant" in op else lay.row_bytes
+    return dict(name=name, op=op, make=make, flops=None, bytes=rows * (in_bytes + out_bytes))
+
+
+def bench_cases() -> list[dict]:
+    cases = [
+        _attn_case("prefill deepseek bf16 T4096 S8192 H128 k2048", "bf16", 512, 64, 128, 4096, 8192, 2048),
+        _attn_case("prefill glm bf16 T4096 S8192 H64 k2048", "bf16", 256, 0, 64, 4096, 8192, 2048),
+        _attn_case("decode glm bf16 T1 S65536 H64 k2048", "bf16", 256, 0, 64, 1, 65536, 2048),
+        _attn_case("decode glm bf16 T17 S65536 H64 k2112", "bf16", 256, 0, 64, 17, 65536, 2112),
+        _attn_case("decode deepseek bf16 T1 S65536 H128 k2048", "bf16", 512, 64, 128, 1, 65536, 2048),
+        _attn_case("decode deepseek packed T256 S65536 H128 k2048", "packed", 512, 64, 128, 256, 65536, 2048),
+        _attn_case("decode glm packed T1 S65536 H64 k2048", "packed", 256, 0, 64, 1, 65536, 2048),
+        _attn_case("decode glm packed T17 S65536 H64 k2112", "packed", 256, 0, 64, 17, 65536, 2112),
+        _attn_case("prefill glm packed T4096 S8192 H64 k2048", "packed", 256, 0, 64, 4096, 8192, 2048),
+    ]
+    for geo, (d_nope, d_rope, _) in GEOMETRIES.items():
+        for op in CACHE_OPS:
+            cases.append(_cache_case(f"{op} {geo} 1M rows", op, d_nope, d_rope, 1 << 20))
+    cases.append(_cache_case("store_k_cache glm 16 rows", "store_k_cache", 256, 0, 16))
+    return cases
+
+
+def bench(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print("bench needs a CUDA GPU", file=sys.stderr)
+        return 2
+    for key, value in environment():
+        print(f"{key:<10}{value}")
+    ceil = _ceilings()
+    print(f"ceilings  bf16 matmul 8192^3: {ceil['matmul_tflops']:.0f} TFLOPS; device copy 1 GiB: "
+          f"{ceil['copy_gbps']:.0f} GB/s (read + write)\n")
+    rows, records = [], []
+    for case in bench_cases():
+        if args.filter and args.filter not in case["name"]:
+            continue
+        inputs = case["make"]()
+        op = getattr(torch.ops.dsa, case["op"])
+        try:
+            op(*inputs)  # compiles outside the capture
+            us = _graph_time_us(lambda op=op, inputs=inputs: op(*inputs))
+        except Exception as err:  # keep measuring the other cases
+            rows.append([case["name"], "ERROR", f"{type(err).__name__}: {err}"[:80], ""])
+            continue
+        if case["flops"]:
+            rate, unit, ratio = case["flops"] / us / 1e6, "TFLOPS", case["flops"] / us / 1e6 / ceil["matmul_tflops"]
+        else:
+            rate, unit, ratio = case["bytes"] / us / 1e3, "GB/s", case["bytes"] / us / 1e3 / ceil["copy_gbps"]
+        rows.append([case["name"], f"{us:.1f}", f"{rate:.0f} {unit}", f"{ratio:.0%}"])
+        records.append(dict(case=case["name"], us=us, rate=rate, unit=unit, ratio_to_ceiling=ratio))
+        del inputs
+    print(format_table(["case", "us", "rate", "of ceiling"], rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(environment=dict(environment()), ceilings=ceil, rows=records), f, indent=1)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sparse_dsa_ops", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command")
     p_check = sub.add_parser("check", help="environment and a self-check of every op (the default)")
     p_check.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p_src = sub.add_parser("source", help="print the generated kernel source of an op (no GPU needed)")
+    p_src.add_argument("--op", required=True, choices=("sparse_attn", *CACHE_OPS))
+    p_src.add_argument("--kv", default="bf16", choices=("bf16", "packed"), help="kv kind of sparse_attn")
+    p_src.add_argument("--d-nope", type=int, default=512, help="latent (= value) width")
+    p_src.add_argument("--d-rope", type=int, default=64, help="RoPE tail width (0 for none)")
+    p_src.add_argument("--heads", type=int, default=128)
+    p_src.add_argument("--sm-scale", type=float, default=None, help="default: d_qk ** -0.5")
+    p_src.add_argument("--topk-length", action="store_true", help="the variant that takes topk_length")
+    p_src.add_argument("--round-scale", action="store_true")
+    p_src.add_argument("--slot-dtype", default="int32", choices=("int32", "int64"))
+    p_src.add_argument("--target", default="cuda", choices=("cuda", "hip"), help="cuda = sm_90a, hip = gfx950")
+    p_bench = sub.add_parser("bench", help="GPU timings with CUDA-graph replay")
+    p_bench.add_argument("--json", default=None, help="also write the rows to this file")
+    p_bench.add_argument("--filter", default=None, help="only cases whose name contains this")
     args = parser.parse_args(argv)
     if args.command in (None, "check"):
         name = getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
         return 1 if check(torch.device(name)) else 0
-    parser.error(f"unknown command {args.command}")
-    return 2
+    if args.command == "source":
+        return source(args)
+    return bench(args)
 
 
 if __name__ == "__main__":

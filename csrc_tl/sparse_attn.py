@@ -1,0 +1,265 @@
+"""TileLang kernels of DeepSeek-style sparse attention over one latent KV head.
+
+Two paths share one builder:
+
+* prefill (``split=False``): one block per (token, head block); it walks the token's top-k list in
+  blocks of ``block_i`` rows, gathers those rows into shared memory (zeros for invalid entries,
+  which are never dereferenced), and runs an online softmax with exp2.
+* decode (``split=True``): for few tokens one block per token leaves the GPU idle, so the top-k
+  blocks are also split ``NS`` ways over the grid's second axis; each split writes a normalized
+  partial output and its natural-log LSE, and :func:`build_combine` merges them.
+
+Shapes (T tokens, H heads, K top-k entries, S pool rows, NS splits; all dynamic but H):
+``q [T, H, d_qk] bf16``, ``kv [S, d_qk] bf16`` or packed ``[S, B] uint8``, ``indices [T, K] int32``
+(K a multiple of ``block_i``), optional ``topk_length [T] int32``; prefill writes
+``out [T, H, d_v] bf16`` and ``lse [T, H] float32``, decode writes ``part_out [T, NS, H, d_v]``
+and ``part_lse [T, NS, H]`` float32.
+
+With ``d_rope == 0`` the tail is compiled out: no tail buffers, copies or GEMMs exist.
+"""
+
+from dataclasses import dataclass
+
+import tilelang.language as T
+
+from sparse_dsa_ops.layout import QUANT_TILE, KCacheLayout
+
+__all__ = ["AttnGeometry", "DEFAULT_TILES", "head_block", "build_attn", "build_combine"]
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+NEG_START = -(2.0**30)  # running max before any valid score: exp2 of (-inf - NEG_START) is 0, never NaN
+MAX_HEAD_BLOCK = 64  # heads one block (one GEMM M tile) handles
+MIN_HEAD_BLOCK = 16  # smallest M tile of the tensor-core GEMMs
+
+
+@dataclass(frozen=True)
+class AttnGeometry:
+    """Everything a sparse-attention kernel is specialized on (besides tile parameters)."""
+
+    d_v: int  # value / NoPE width: a multiple of 64 (of 128 for packed kv)
+    d_rope: int  # RoPE tail width, 0 for none
+    heads: int  # 1..128
+    kv_kind: str  # "bf16" or "packed"
+    has_topk_length: bool
+    sm_scale: float
+
+    @property
+    def d_qk(self) -> int:
+        return self.d_v + self.d_rope
+
+    def __str__(self) -> str:
+        tail = "_len" if self.has_topk_length else ""
+        return f"{self.kv_kind}_{self.d_v}p{self.d_rope}_h{self.heads}{tail}"
+
+
+# Default tile parameters, by path; (block_i, threads, num_stages).
+DEFAULT_TILES = {"prefill": dict(block_i=64, threads=256, num_stages=2), "decode": dict(block_i=64, threads=256,
+                                                                                       num_stages=2)}
+
+
+def head_block(heads: int) -> int:
+    """Heads per block: the next power of two, at least 16 (a tensor-core M tile), at most 64."""
+    block = MIN_HEAD_BLOCK
+    while block < min(heads, MAX_HEAD_BLOCK):
+        block *= 2
+    return block
+
+
+def build_attn(geo: AttnGeometry, *, split: bool, block_i: int = 64, threads: int = 256, num_stages: int = 2):
+    """The sparse-attention program for ``geo``; see the module docstring for its arguments."""
+    assert geo.d_v % 64 == 0, "d_v must be a multiple of 64 (GEMM N/K tiles)"
+    assert geo.d_rope % 16 == 0, "d_rope must be a multiple of 16 (GEMM K tile)"
+    assert 1 <= geo.heads <= 128, "heads must be in 1..128"
+    assert geo.kv_kind in ("bf16", "packed"), f"unknown kv kind {geo.kv_kind}"
+    d_v, d_tail, d_qk, heads = geo.d_v, geo.d_rope, geo.d_qk, geo.heads
+    hb = head_block(heads)
+    groups = T.ceildiv(heads, hb)
+    scale2 = geo.sm_scale * LOG2E  # scores in the exp2 domain
+    packed = geo.kv_kind == "packed"
+    if packed:
+        layout = KCacheLayout(d_v, d_tail)
+        row_w = layout.row_bytes
+        scale_word, rope_half = layout.scale_offset // 4, layout.rope_offset // 2
+    else:
+        row_w = d_qk
+    dtype, acc = T.bfloat16, T.float32
+
+    t_count, s_count, k_count, n_split = T.dynamic("t"), T.dynamic("s"), T.dynamic("k"), T.dynamic("ns")
+
+    @T.macro
+    def attend(q, kv, indices, topk_length, out, lse):
+        with T.Kernel(t_count * groups, n_split if split else 1, threads=threads) as (bx, by):
+            q_s = T.alloc_shared((hb, d_v), dtype)
+            kv_s = T.alloc_shared((block_i, d_v), dtype)
+            if d_tail:
+                qt_s = T.alloc_shared((hb, d_tail), dtype)
+                kt_s = T.alloc_shared((block_i, d_tail), dtype)
+            p_s = T.alloc_shared((hb, block_i), dtype)
+            idx_s = T.alloc_shared((block_i,), T.int32)
+            ok_s = T.alloc_shared((block_i,), T.int32)
+            acc_o = T.alloc_fragment((hb, d_v), acc)
+            acc_s = T.alloc_fragment((hb, block_i), acc)
+            m_i = T.alloc_fragment((hb,), acc)
+            m_prev = T.alloc_fragment((hb,), acc)
+            alpha = T.alloc_fragment((hb,), acc)
+            sum_i = T.alloc_fragment((hb,), acc)
+            sumexp = T.alloc_fragment((hb,), acc)
+
+            t = bx // groups
+            h0 = (bx % groups) * hb
+            if geo.has_topk_length:
+                n_valid = T.max(T.min(topk_length[t], k_count), 0)
+            else:
+                n_valid = k_count
+            n_blocks = T.ceildiv(n_valid, block_i)
+            if split:
+                per_split = T.ceildiv(k_count // block_i, n_split)
+                first = by * per_split
+                last = T.max(T.min(first + per_split, n_blocks), first)
+            else:
+                first, last = 0, n_blocks
+
+            T.fill(acc_o, 0)
+            T.fill(sumexp, 0)
+            T.fill(m_i, NEG_START)
+            for h, d in T.Parallel(hb, d_v):
+                q_s[h, d] = T.if_then_else(h0 + h < heads, q[t, T.min(h0 + h, heads - 1), d], 0)
+            if d_tail:
+                for h, d in T.Parallel(hb, d_tail):
+                    qt_s[h, d] = T.if_then_else(h0 + h < heads, q[t, T.min(h0 + h, heads - 1), d_v + d], 0)
+
+            for blk in T.Pipelined(first, last, num_stages=num_stages):
+                for j in T.Parallel(block_i):
+                    raw = indices[t, blk * block_i + j]
+                    ok = (raw >= 0) & (raw < s_count) & (blk * block_i + j < n_valid)
+                    ok_s[j] = T.if_then_else(ok, 1, 0)
+                    idx_s[j] = T.if_then_else(ok, raw, 0)
+                if packed:
+                    values = T.view(kv, (s_count, row_w), T.float8_e4m3fn)
+                    scales = T.view(kv, (s_count, row_w // 4), T.float32)
+                    for j, d in T.Parallel(block_i, d_v):
+                        kv_s[j, d] = T.if_then_else(
+                            ok_s[j] != 0,
+                            T.cast(T.cast(values[idx_s[j], d], acc) * scales[idx_s[j], scale_word + d // QUANT_TILE],
+                                   dtype), 0)
+                    if d_tail:
+                        tails = T.view(kv, (s_count, row_w // 2), dtype)
+                        for j, d in T.Parallel(block_i, d_tail):
+                            kt_s[j, d] = T.if_then_else(ok_s[j] != 0, tails[idx_s[j], rope_half + d], 0)
+                else:
+                    for j, d in T.Parallel(block_i, d_v):
+                        kv_s[j, d] = T.if_then_else(ok_s[j] != 0, kv[idx_s[j], d], 0)
+                    if d_tail:
+                        for j, d in T.Parallel(block_i, d_tail):
+                            kt_s[j, d] = T.if_then_else(ok_s[j] != 0, kv[idx_s[j], d_v + d], 0)
+
+                for h, j in T.Parallel(hb, block_i):
+                    acc_s[h, j] = T.if_then_else(ok_s[j] != 0, 0, -T.infinity(acc))
+                T.gemm(q_s, kv_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                if d_tail:
+                    T.gemm(qt_s, kt_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+
+                T.copy(m_i, m_prev)
+                T.reduce_max(acc_s, m_i, dim=1, clear=False)
+                for h in T.Parallel(hb):
+                    m_i[h] = T.max(m_i[h], m_prev[h])
+                    alpha[h] = T.exp2((m_prev[h] - m_i[h]) * scale2)
+                for h, j in T.Parallel(hb, block_i):
+                    acc_s[h, j] = T.exp2(acc_s[h, j] * scale2 - m_i[h] * scale2)
+                T.reduce_sum(acc_s, sum_i, dim=1)
+                for h in T.Parallel(hb):
+                    sumexp[h] = sumexp[h] * alpha[h] + sum_i[h]
+                for h, d in T.Parallel(hb, d_v):
+                    acc_o[h, d] = acc_o[h, d] * alpha[h]
+                T.copy(acc_s, p_s)
+                T.gemm(p_s, kv_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
+
+            # An empty row (sumexp 0) gives out 0 and lse -inf.
+            for h, d in T.Parallel(hb, d_v):
+                acc_o[h, d] = T.if_then_else(sumexp[h] > 0, acc_o[h, d] / sumexp[h], 0)
+            for h in T.Parallel(hb):
+                sum_i[h] = T.if_then_else(sumexp[h] > 0, (T.log2(sumexp[h]) + m_i[h] * scale2) * LN2,
+                                          -T.infinity(acc))
+            if split:
+                for h, d in T.Parallel(hb, d_v):
+                    if h0 + h < heads:
+                        out[t, by, h0 + h, d] = acc_o[h, d]
+                for h in T.Parallel(hb):
+                    if h0 + h < heads:
+                        lse[t, by, h0 + h] = sum_i[h]
+            else:
+                T.copy(acc_o, q_s)  # q_s is free now: stage the bf16 output for coalesced stores
+                for h, d in T.Parallel(hb, d_v):
+                    if h0 + h < heads:
+                        out[t, h0 + h, d] = q_s[h, d]
+                for h in T.Parallel(hb):
+                    if h0 + h < heads:
+                        lse[t, h0 + h] = sum_i[h]
+
+    q_t = T.Tensor((t_count, heads, d_qk), dtype)
+    kv_t = T.Tensor((s_count, row_w), T.uint8 if packed else dtype)
+    idx_t = T.Tensor((t_count, k_count), T.int32)
+    len_t = T.Tensor((t_count,), T.int32)
+    if split:
+        out_t = T.Tensor((t_count, n_split, heads, d_v), acc)
+        lse_t = T.Tensor((t_count, n_split, heads), acc)
+    else:
+        out_t = T.Tensor((t_count, heads, d_v), dtype)
+        lse_t = T.Tensor((t_count, heads), acc)
+
+    if geo.has_topk_length:
+
+        @T.prim_func
+        def sparse_attn(q: q_t, kv: kv_t, indices: idx_t, topk_length: len_t, out: out_t, lse: lse_t):
+            attend(q, kv, indices, topk_length, out, lse)
+
+        return sparse_attn
+
+    @T.prim_func
+    def sparse_attn(q: q_t, kv: kv_t, indices: idx_t, out: out_t, lse: lse_t):
+        attend(q, kv, indices, None, out, lse)
+
+    return sparse_attn
+
+
+COMBINE_THREADS = 128
+
+
+def build_combine(d_v: int, heads: int):
+    """Merge split partials: ``(part_out [T, NS, H, d_v] f32, part_lse [T, NS, H] f32, out [T, H, d_v] bf16,
+    lse [T, H] f32)``; splits with lse -inf weigh nothing, and if all are -inf out is 0 and lse -inf."""
+    t_count, n_split = T.dynamic("t"), T.dynamic("ns")
+    cols = T.ceildiv(d_v, COMBINE_THREADS)
+
+    @T.prim_func
+    def combine(part_out: T.Tensor((t_count, n_split, heads, d_v), T.float32),
+                part_lse: T.Tensor((t_count, n_split, heads), T.float32),
+                out: T.Tensor((t_count, heads, d_v), T.bfloat16), lse: T.Tensor((t_count, heads), T.float32)):
+        with T.Kernel(heads, t_count, threads=COMBINE_THREADS) as (h, t):
+            tx = T.get_thread_binding()
+            top = T.alloc_local((1,), T.float32)
+            total = T.alloc_local((1,), T.float32)
+            acc = T.alloc_local((cols,), T.float32)
+            top[0] = -T.infinity(T.float32)
+            for sp in T.serial(n_split):
+                top[0] = T.max(top[0], part_lse[t, sp, h])
+            total[0] = 0.0
+            for c in T.serial(cols):
+                acc[c] = 0.0
+            if top[0] != -T.infinity(T.float32):
+                for sp in T.serial(n_split):
+                    w = T.exp(part_lse[t, sp, h] - top[0])
+                    total[0] = total[0] + w
+                    for c in T.serial(cols):
+                        if c * COMBINE_THREADS + tx < d_v:
+                            acc[c] = acc[c] + w * part_out[t, sp, h, c * COMBINE_THREADS + tx]
+                for c in T.serial(cols):
+                    acc[c] = acc[c] / total[0]
+            for c in T.serial(cols):
+                if c * COMBINE_THREADS + tx < d_v:
+                    out[t, h, c * COMBINE_THREADS + tx] = T.cast(acc[c], T.bfloat16)
+            if tx == 0:
+                lse[t, h] = T.if_then_else(total[0] > 0, top[0] + T.log(total[0]), -T.infinity(T.float32))
+
+    return combine

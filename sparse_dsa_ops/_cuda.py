@@ -1,0 +1,272 @@
+"""The GPU backend: picks, compiles, caches and launches the TileLang kernels of ``csrc_tl``.
+
+Kernels are compiled once per specialization (a ``KernelKey``: family + frozen geometry record +
+flags), kept in this process, and on disk by TileLang's own cache, so a second process starts
+fast. Row and token counts are dynamic in every program, so batches of any size reuse the same
+binary. Compiling inside a CUDA graph capture is an error: call :func:`warmup` first.
+
+TileLang is imported only when a kernel is built, so importing the package stays cheap.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from .layout import KCacheLayout
+from .ops import TOPK_MULTIPLE
+
+__all__ = ["IMPLS", "KernelKey", "programs", "lower_source", "warmup", "attn_keys", "cache_keys"]
+
+TARGETS = {"cuda": {"kind": "cuda", "arch": "sm_90a"}, "hip": {"kind": "hip", "mcpu": "gfx950"}}
+
+
+@dataclass(frozen=True)
+class KernelKey:
+    """One compiled kernel: ``family`` names the builder, ``spec`` is its frozen geometry record."""
+
+    family: str  # quant | store | dequant | gather_dequant | gather | attn_prefill | attn_decode | combine
+    spec: object  # KCacheLayout, csrc_tl.sparse_attn.AttnGeometry or (d_v, heads)
+    flags: tuple = ()  # family-specific: round_scale, slot dtype
+
+    @property
+    def name(self) -> str:
+        flags = "_".join(str(f) for f in self.flags)
+        return f"{self.family}[{self.spec}{'; ' + flags if flags else ''}]"
+
+
+def program(key: KernelKey):
+    """The TileLang program of ``key`` (a pure function of the key)."""
+    from csrc_tl import k_cache, sparse_attn
+
+    fam, spec, flags = key.family, key.spec, key.flags
+    if fam == "quant":
+        return k_cache.build_quant(spec, round_scale=flags[0], scatter=False)
+    if fam == "store":
+        return k_cache.build_quant(spec, round_scale=flags[0], scatter=True, slot_dtype=flags[1])
+    if fam == "dequant":
+        return k_cache.build_dequant(spec, gather=False)
+    if fam == "gather_dequant":
+        return k_cache.build_dequant(spec, gather=True, slot_dtype=flags[0])
+    if fam == "gather":
+        return k_cache.build_gather_bytes(spec, slot_dtype=flags[0])
+    if fam in ("attn_prefill", "attn_decode"):
+        path = fam.removeprefix("attn_")
+        return sparse_attn.build_attn(spec, split=path == "decode", **sparse_attn.DEFAULT_TILES[path])
+    if fam == "combine":
+        return sparse_attn.build_combine(*spec)
+    raise KeyError(fam)
+
+
+def cache_keys(op: str, layout: KCacheLayout, round_scale: bool = False, slot_dtype: str = "int32") -> list[KernelKey]:
+    """The kernels a cache op runs for ``layout``."""
+    return {
+        "quant_k_cache": [KernelKey("quant", layout, (round_scale,))],
+        "store_k_cache": [KernelKey("store", layout, (round_scale, slot_dtype))],
+        "dequant_k_cache": [KernelKey("dequant", layout)],
+        "gather_dequant_k_cache": [KernelKey("gather_dequant", layout, (slot_dtype,))],
+        "gather_k_cache": [KernelKey("gather", layout, (slot_dtype,))],
+    }[op]
+
+
+def attn_keys(kv_kind: str, d_v: int, d_rope: int, heads: int, sm_scale: float, has_topk_length: bool,
+              paths: Iterable[str] = ("prefill", "decode")) -> list[KernelKey]:
+    """The kernels ``sparse_attn`` runs for one geometry: a prefill kernel, a decode kernel and its combine."""
+    from csrc_tl.sparse_attn import AttnGeometry
+
+    geo = AttnGeometry(d_v, d_rope, heads, kv_kind, has_topk_length, float(sm_scale))
+    keys = [KernelKey(f"attn_{path}", geo) for path in paths]
+    if "decode" in paths:
+        keys.append(KernelKey("combine", (d_v, heads)))
+    return keys
+
+
+def programs(keys: Iterable[KernelKey]) -> dict[str, object]:
+    return {key.name: program(key) for key in keys}
+
+
+def lower_source(key: KernelKey, target: str) -> str:
+    """Generated kernel source of ``key`` for ``target`` ('cuda' = sm_90a, 'hip' = gfx950); needs no GPU."""
+    import tilelang
+    from tilelang import tvm
+
+    tgt = tvm.target.Target(TARGETS[target])
+    with tgt:
+        return tilelang.lower(program(key), target=tgt).kernel_source
+
+
+# ----------------------------------------------------------------------------------------------
+# Compilation and the in-process cache.
+
+_KERNELS: dict[KernelKey, Callable] = {}
+_LOCK = threading.Lock()
+
+
+def _target() -> str:
+    return "hip" if torch.version.hip else "cuda"
+
+
+def _compile(key: KernelKey) -> Callable:
+    import tilelang
+
+    return tilelang.compile(program(key), target=_target())
+
+
+def kernel(key: KernelKey) -> Callable:
+    fn = _KERNELS.get(key)
+    if fn is not None:
+        return fn
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"sparse_dsa_ops: kernel {key.name} is not compiled yet and cannot be compiled inside a CUDA graph "
+            "capture; call sparse_dsa_ops.warmup(...) for this geometry (or run the op once) before capturing"
+        )
+    with _LOCK:
+        if key not in _KERNELS:
+            _KERNELS[key] = _compile(key)
+    return _KERNELS[key]
+
+
+def warmup(keys: Iterable[KernelKey], workers: int = 8, progress: bool = True) -> None:
+    """Compile ``keys`` ahead of time, in parallel, with a progress line on stderr."""
+    todo = [k for k in dict.fromkeys(keys) if k not in _KERNELS]
+    if not todo:
+        return
+    done = 0
+
+    def build(key):
+        fn = _compile(key)
+        with _LOCK:
+            _KERNELS[key] = fn
+        return key
+
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(todo)))) as pool:
+        for key in pool.map(build, todo):
+            done += 1
+            if progress:
+                print(f"\rsparse_dsa_ops: compiled {done}/{len(todo)} kernels ({key.name})".ljust(100), end="",
+                      file=sys.stderr, flush=True)
+    if progress:
+        print(file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------------------------
+# The op implementations (arguments already checked by ops.py).
+
+
+def _slot_dtype(ids: torch.Tensor) -> str:
+    return "int64" if ids.dtype == torch.int64 else "int32"
+
+
+def quant_k_cache(k_nope, k_rope, round_scale=False):
+    lay = KCacheLayout(k_nope.shape[1], 0 if k_rope is None else k_rope.shape[1])
+    out = torch.empty(k_nope.shape[0], lay.row_bytes, dtype=torch.uint8, device=k_nope.device)
+    if out.shape[0]:
+        fn = kernel(cache_keys("quant_k_cache", lay, round_scale)[0])
+        fn(k_nope.contiguous(), *([k_rope.contiguous()] if lay.d_rope else []), out)
+    return out
+
+
+def store_k_cache(k_nope, k_rope, cache, loc, round_scale=False):
+    lay = KCacheLayout(k_nope.shape[1], 0 if k_rope is None else k_rope.shape[1])
+    pool = cache.view(-1, lay.row_bytes)
+    if k_nope.shape[0] and pool.shape[0]:
+        fn = kernel(cache_keys("store_k_cache", lay, round_scale, _slot_dtype(loc))[0])
+        fn(k_nope.contiguous(), *([k_rope.contiguous()] if lay.d_rope else []), loc.contiguous(), pool)
+
+
+def dequant_k_cache(packed):
+    lay = KCacheLayout.from_row_bytes(packed.shape[-1])
+    rows = packed.reshape(-1, lay.row_bytes).contiguous()
+    out = torch.empty(rows.shape[0], lay.d_qk, dtype=torch.bfloat16, device=packed.device)
+    if rows.shape[0]:
+        kernel(cache_keys("dequant_k_cache", lay)[0])(rows, out)
+    return out.reshape(*packed.shape[:-1], lay.d_qk)
+
+
+def _gather(op: str, cache, indices, width: int, dtype: torch.dtype):
+    lay = KCacheLayout.from_row_bytes(cache.shape[-1])
+    pool = cache.view(-1, lay.row_bytes)
+    out = torch.empty(indices.shape[0], width, dtype=dtype, device=cache.device)
+    if out.shape[0] and not pool.shape[0]:
+        out.zero_()  # every id is out of range of an empty pool
+    elif out.shape[0]:
+        kernel(cache_keys(op, lay, slot_dtype=_slot_dtype(indices))[0])(pool, indices.contiguous(), out)
+    return out
+
+
+def gather_k_cache(cache, indices):
+    return _gather("gather_k_cache", cache, indices, cache.shape[-1], torch.uint8)
+
+
+def gather_dequant_k_cache(cache, indices):
+    return _gather("gather_dequant_k_cache", cache, indices, KCacheLayout.from_row_bytes(cache.shape[-1]).d_qk,
+                   torch.bfloat16)
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def plan_splits(tokens: int, heads: int, topk: int, sm_count: int) -> int:
+    """Splits of the top-k range per (token, head block): 1 (prefill path) once the grid fills the GPU."""
+    from csrc_tl.sparse_attn import head_block
+
+    blocks = tokens * math.ceil(heads / head_block(heads))
+    if blocks >= sm_count:
+        return 1
+    return max(1, min(topk // TOPK_MULTIPLE, math.ceil(sm_count / blocks)))
+
+
+def sparse_attn(q, kv, indices, sm_scale, d_v, topk_length=None):
+    t_count, heads, d_qk = q.shape
+    d_rope = d_qk - d_v
+    kind = {torch.bfloat16: "bf16", torch.uint8: "packed"}.get(kv.dtype)
+    if kind is None or q.dtype != torch.bfloat16:
+        raise NotImplementedError(
+            f"dsa.sparse_attn on {q.device.type}: kv {kv.dtype} with q {q.dtype} has no GPU kernel yet "
+            "(bf16 q over bf16 or packed FP8 kv does); the CPU backend runs every kind")
+    if heads > 128 or d_v % 64 or d_rope % 16:
+        raise NotImplementedError(
+            f"dsa.sparse_attn on {q.device.type}: no kernel for heads={heads}, d_v={d_v}, d_rope={d_rope} "
+            "(needs heads <= 128, d_v a multiple of 64, d_rope a multiple of 16)")
+    out = torch.empty(t_count, heads, d_v, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(t_count, heads, dtype=torch.float32, device=q.device)
+    pool = kv.reshape(-1, kv.shape[-1])
+    idx = indices.reshape(t_count, indices.shape[-1])
+    topk = idx.shape[1]
+    if t_count == 0:
+        return out, lse
+    if topk == 0 or pool.shape[0] == 0:
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    q, idx = q.contiguous(), idx.contiguous()
+    lengths = [] if topk_length is None else [topk_length.contiguous()]
+    splits = plan_splits(t_count, heads, topk, _sm_count(q.device))
+    keys = attn_keys(kind, d_v, d_rope, heads, sm_scale, topk_length is not None,
+                     paths=("prefill",) if splits == 1 else ("decode",))
+    if splits == 1:
+        kernel(keys[0])(q, pool, idx, *lengths, out, lse)
+        return out, lse
+    part_out = torch.empty(t_count, splits, heads, d_v, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(t_count, splits, heads, dtype=torch.float32, device=q.device)
+    kernel(keys[0])(q, pool, idx, *lengths, part_out, part_lse)
+    kernel(keys[1])(part_out, part_lse, out, lse)
+    return out, lse
+
+
+IMPLS = {
+    "quant_k_cache": quant_k_cache,
+    "store_k_cache": store_k_cache,
+    "dequant_k_cache": dequant_k_cache,
+    "gather_k_cache": gather_k_cache,
+    "gather_dequant_k_cache": gather_dequant_k_cache,
+    "sparse_attn": sparse_attn,
+}
