@@ -1,0 +1,303 @@
+"""GPU kernels against the reference on the same data (``cuda`` marker; skipped without a GPU).
+
+Kernels are compiled once, in parallel, by the module fixture. Inputs are hostile: sentinel
+indices of every kind, rows with nothing valid, NaN in every KV row no valid entry selects, and
+outputs whose memory was filled with NaN before the call.
+"""
+
+import math
+
+import pytest
+import torch
+
+import sparse_dsa_ops as dsa
+from sparse_dsa_ops import KCacheLayout, reference
+from tests.oracle import INT_MAX, INT_MIN, hostile_indices, unselected_slots
+
+pytestmark = pytest.mark.cuda
+
+LAYOUTS = [KCacheLayout(512, 64), KCacheLayout(256, 0), KCacheLayout(512, 0), KCacheLayout(256, 64)]
+# (d_v, d_rope, heads) of the attention cases; sm_scale is d_qk ** -0.5 for each
+GLM, DEEPSEEK = (256, 0, 64), (512, 64, 128)
+ATTN_GEOS = [GLM, DEEPSEEK, (512, 64, 16), (256, 0, 1), (256, 0, 8), (256, 0, 16), (256, 0, 128)]
+ATTN_KINDS = {geo: ("bf16", "packed") if geo in (GLM, DEEPSEEK, (512, 64, 16)) else ("bf16",) for geo in ATTN_GEOS}
+ATTN_CASES = [(geo, kind) for geo in ATTN_GEOS for kind in ATTN_KINDS[geo]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    keys = []
+    for d_v, d_rope, heads in ATTN_GEOS:
+        for kind in ATTN_KINDS[d_v, d_rope, heads]:
+            keys += dsa._cuda.attn_keys(kind, d_v, d_rope, heads, (d_v + d_rope) ** -0.5, False)
+    for (d_v, d_rope, heads), kind in [(DEEPSEEK, "bf16"), (DEEPSEEK, "packed"), (GLM, "packed")]:
+        keys += dsa._cuda.attn_keys(kind, d_v, d_rope, heads, (d_v + d_rope) ** -0.5, True)
+    for lay in LAYOUTS:
+        for rs in (False, True):
+            keys += dsa._cuda.cache_keys("quant_k_cache", lay, rs)
+            keys += dsa._cuda.cache_keys("store_k_cache", lay, rs, "int32" if not rs else "int64")
+        keys += dsa._cuda.cache_keys("dequant_k_cache", lay)
+        for slot in ("int32", "int64"):
+            keys += dsa._cuda.cache_keys("gather_k_cache", lay, slot_dtype=slot)
+            keys += dsa._cuda.cache_keys("gather_dequant_k_cache", lay, slot_dtype=slot)
+    dsa._cuda.warmup(keys, workers=16, progress=False)
+
+
+def poison_allocator(nbytes=1 << 28):
+    """Fill a block of the caching allocator with NaN and free it: the next outputs reuse it."""
+    junk = torch.full((nbytes // 4,), float("nan"), device="cuda")
+    del junk
+
+
+def gen(seed=0):
+    return torch.Generator(device="cpu").manual_seed(seed)
+
+
+def make_k(g, n, lay, magnitude=1.0):
+    k = torch.randn(n, lay.d_nope, generator=g) * magnitude
+    k *= torch.exp2(torch.randint(-6, 6, (n, lay.num_scales, 1), generator=g).float()).repeat_interleave(
+        128, dim=1).reshape(n, -1)
+    k[0, :128] = 0
+    k[-1] = 0
+    r = torch.randn(n, lay.d_rope, generator=g).bfloat16() if lay.d_rope else None
+    return k.bfloat16(), r
+
+
+def cuda(*xs):
+    return [None if x is None else x.cuda() for x in xs]
+
+
+# ------------------------------------------------------------------------------------------
+# cache ops
+
+
+@pytest.mark.parametrize("magnitude", [1e-6, 1.0, 1e4])
+@pytest.mark.parametrize("round_scale", [False, True])
+@pytest.mark.parametrize("lay", LAYOUTS, ids=str)
+def test_quant_dequant_bytes(lay, round_scale, magnitude):
+    k, r = make_k(gen(), 333, lay, magnitude)
+    want = reference.quant_k_cache(k, r, round_scale)
+    poison_allocator()
+    got = dsa.quant_k_cache(*cuda(k, r), round_scale)
+    assert torch.equal(got.cpu(), want)
+    assert torch.equal(dsa.dequant_k_cache(got).cpu(), reference.dequant_k_cache(want))
+
+
+@pytest.mark.parametrize("round_scale", [False, True])
+@pytest.mark.parametrize("lay", LAYOUTS, ids=str)
+def test_store_sentinels(lay, round_scale):
+    g = gen(1)
+    n, page, pages = 40, 16, 8
+    k, r = make_k(g, n, lay)
+    pool = torch.randint(0, 256, (pages, page, lay.row_bytes), generator=g, dtype=torch.int32).to(torch.uint8)
+    loc = torch.randperm(pages * page, generator=g)[:n]
+    loc[::5] = -1
+    loc[3] = pages * page
+    loc[7] = INT_MIN if not round_scale else -(2**40)
+    loc = loc.to(torch.int64 if round_scale else torch.int32)
+    want = pool.clone()
+    reference.store_k_cache(k, r, want, loc, round_scale)
+    got = pool.cuda()
+    dsa.store_k_cache(*cuda(k, r), got, loc.cuda(), round_scale)
+    assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("lay", LAYOUTS, ids=str)
+def test_gathers(lay, slot_dtype):
+    g = gen(2)
+    k, r = make_k(g, 256, lay)
+    pool = reference.quant_k_cache(k, r).reshape(16, 16, 1, lay.row_bytes)
+    ids = torch.randint(0, 256, (500,), generator=g)
+    ids[::3] = ids[0]  # repeated pages
+    ids[1::7] = torch.tensor([-1, 256, INT_MIN, INT_MAX, -5, 10**6] * 20)[: len(ids[1::7])]
+    ids = ids.to(slot_dtype)
+    poison_allocator()
+    assert torch.equal(dsa.gather_k_cache(pool.cuda(), ids.cuda()).cpu(), reference.gather_k_cache(pool, ids))
+    assert torch.equal(dsa.gather_dequant_k_cache(pool.cuda(), ids.cuda()).cpu(),
+                       reference.gather_dequant_k_cache(pool, ids))
+
+
+def test_cache_ops_one_row_and_a_million():
+    lay = KCacheLayout(512, 64)
+    for n in (1, 1 << 20):
+        k = torch.randn(n, 512, device="cuda", dtype=torch.bfloat16)
+        r = torch.randn(n, 64, device="cuda", dtype=torch.bfloat16)
+        got = dsa.quant_k_cache(k, r)
+        assert torch.equal(got, reference.quant_k_cache(k, r))
+        pool = torch.zeros(n + 3, lay.row_bytes, dtype=torch.uint8, device="cuda")
+        loc = torch.randperm(n + 3, device="cuda")[:n].int()
+        dsa.store_k_cache(k, r, pool, loc)
+        assert torch.equal(pool[loc.long()], got)
+        assert torch.equal(dsa.gather_dequant_k_cache(pool, loc), reference.dequant_k_cache(got))
+
+
+def test_store_graph_capture_replays_new_rows_and_slots():
+    lay = KCacheLayout(256, 0)
+    pool = torch.zeros(64, lay.row_bytes, dtype=torch.uint8, device="cuda")
+    k = torch.empty(8, 256, dtype=torch.bfloat16, device="cuda")
+    loc = torch.empty(8, dtype=torch.int32, device="cuda")
+    k.normal_()
+    loc.copy_(torch.arange(8))
+    dsa.store_k_cache(k, None, pool, loc)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dsa.store_k_cache(k, None, pool, loc)
+    want = pool.cpu()
+    for step in range(3):
+        new_k = torch.randn(8, 256, dtype=torch.bfloat16)
+        new_loc = torch.randperm(64)[:8].int()
+        new_loc[step] = -1
+        k.copy_(new_k)
+        loc.copy_(new_loc)
+        graph.replay()
+        reference.store_k_cache(new_k, None, want, new_loc)
+        assert torch.equal(pool.cpu(), want)
+
+
+def test_compiling_inside_a_capture_says_to_warm_up():
+    k = torch.randn(4, 384, dtype=torch.bfloat16, device="cuda")  # a layout nothing compiled
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="warmup"):
+        with torch.cuda.graph(graph):
+            dsa.quant_k_cache(k, None)
+
+
+# ------------------------------------------------------------------------------------------
+# sparse attention
+
+
+def attn_inputs(geo, kind, t_count, topk, num_slots=4096, seed=0, empty_rows=(1,), pad_from=None):
+    d_v, d_rope, heads = geo
+    g = gen(seed)
+    d_qk = d_v + d_rope
+    idx = hostile_indices(g, t_count, topk, num_slots, empty_rows=[e for e in empty_rows if e < t_count])
+    if pad_from is not None:
+        idx[:, pad_from:] = -1
+    q = torch.randn(t_count, heads, d_qk, generator=g).bfloat16()
+    nan_rows = unselected_slots(idx, num_slots)
+    if kind == "bf16":
+        kv = torch.randn(num_slots, d_qk, generator=g).bfloat16()
+        kv[nan_rows] = float("nan")
+    else:
+        k = torch.randn(num_slots, d_v, generator=g).bfloat16()
+        r = torch.randn(num_slots, d_rope, generator=g).bfloat16() if d_rope else None
+        kv = reference.quant_k_cache(k, r)
+        kv[nan_rows] = 0xFF
+    return q, kv, idx, d_qk**-0.5, d_v
+
+
+def check_attn(got, want):
+    (out, lse), (ref_out, ref_lse) = got, want
+    out, lse = out.cpu(), lse.cpu()
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    assert (out[torch.isinf(ref_lse)] == 0).all()
+    fin = ~torch.isinf(ref_lse)
+    diff = (out.float() - ref_out.float())[fin]
+    # The kernel rounds the probabilities to bf16 before the PV GEMM (2^-9 relative each), the
+    # reference keeps them in float32; both round the output once to bf16.
+    assert diff.norm() <= 1e-2 * ref_out.float()[fin].norm()
+    assert diff.abs().max() <= 2**-6 * ref_out.float().abs().max() + 1e-6
+    assert (lse[fin] - ref_lse[fin]).abs().max() <= 1e-3 * max(1.0, ref_lse[fin].abs().max().item())
+
+
+def run_both(inputs, topk_length=None):
+    q, kv, idx, sm_scale, d_v = inputs
+    want = reference.sparse_attn(q, kv, idx, sm_scale, d_v, topk_length)
+    poison_allocator()
+    got = dsa.sparse_attn(*cuda(q, kv, idx), sm_scale, d_v, None if topk_length is None else topk_length.cuda())
+    return got, want
+
+
+@pytest.mark.parametrize("kind", ["bf16", "packed"])
+@pytest.mark.parametrize("topk, pad_from", [(2048, None), (2112, None), (2112, 2051)], ids=["k2048", "k2112",
+                                                                                             "2051-valid"])
+@pytest.mark.parametrize("t_count", [1, 8, 17])
+def test_glm_decode_coverage(kind, t_count, topk, pad_from):
+    got, want = run_both(attn_inputs(GLM, kind, t_count, topk, pad_from=pad_from))
+    check_attn(got, want)
+
+
+@pytest.mark.parametrize("geo, kind", ATTN_CASES, ids=[f"{g[0]}+{g[1]}-h{g[2]}-{k}" for g, k in ATTN_CASES])
+@pytest.mark.parametrize("t_count", [3, 300], ids=["decode", "prefill"])
+def test_geometries(geo, kind, t_count):
+    got, want = run_both(attn_inputs(geo, kind, t_count, 256, seed=t_count))
+    check_attn(got, want)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "packed"])
+@pytest.mark.parametrize("t_count", [5, 300], ids=["decode", "prefill"])
+def test_topk_length(kind, t_count):
+    inputs = attn_inputs(DEEPSEEK, kind, t_count, 512, seed=7)
+    lengths = torch.randint(-3, 600, (t_count,), generator=gen(3), dtype=torch.int32)
+    lengths[0], lengths[-1] = 0, 512
+    got, want = run_both(inputs, lengths)
+    check_attn(got, want)
+
+
+def test_repeatable_bit_for_bit():
+    q, kv, idx, s, d_v = [x.cuda() if isinstance(x, torch.Tensor) else x for x in attn_inputs(DEEPSEEK, "bf16", 9,
+                                                                                              2048)]
+    first = dsa.sparse_attn(q, kv, idx, s, d_v)
+    for _ in range(3):
+        again = dsa.sparse_attn(q, kv, idx, s, d_v)
+        assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+
+
+@pytest.mark.parametrize("t_count", [2, 300], ids=["decode", "prefill"])
+def test_graph_replay_on_new_data(t_count):
+    inputs = attn_inputs(GLM, "packed", t_count, 2048, seed=11)
+    q, kv, idx = cuda(*inputs[:3])
+    s, d_v = inputs[3:]
+    lengths = torch.full((t_count,), 2048, dtype=torch.int32, device="cuda")
+    dsa.sparse_attn(q, kv, idx, s, d_v, lengths)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = dsa.sparse_attn(q, kv, idx, s, d_v, lengths)
+    for seed in (12, 13):
+        new = attn_inputs(GLM, "packed", t_count, 2048, seed=seed)
+        q.copy_(new[0])
+        kv.copy_(new[1])
+        idx.copy_(new[2])
+        lengths.copy_(torch.randint(0, 2049, (t_count,), generator=gen(seed), dtype=torch.int32))
+        graph.replay()
+        eager = dsa.sparse_attn(q, kv, idx, s, d_v, lengths)
+        assert torch.equal(out, eager[0]) and torch.equal(lse, eager[1])
+        check_attn((out, lse), reference.sparse_attn(new[0], new[1], new[2], s, d_v, lengths.cpu()))
+
+
+def test_torch_compile_decode_step():
+    lay = KCacheLayout(256, 0)
+    pool = reference.quant_k_cache(torch.randn(1024, 256).bfloat16()).cuda()
+    s = 256**-0.5
+
+    def step(k, cache, loc, q, idx):
+        torch.ops.dsa.store_k_cache(k, None, cache, loc)
+        return torch.ops.dsa.sparse_attn(q, cache, idx, s, 256)
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=True)
+    for t_count in (2, 3, 5):
+        k = torch.randn(t_count, 256, dtype=torch.bfloat16, device="cuda")
+        loc = torch.randperm(1024, device="cuda")[:t_count].int()
+        q = torch.randn(t_count, 64, 256, dtype=torch.bfloat16, device="cuda")
+        idx = torch.randint(-1, 1024, (t_count, 2048), dtype=torch.int32, device="cuda")
+        idx[:, 0] = loc[0]
+        a_pool, b_pool = pool.clone(), pool.clone()
+        got = compiled(k, a_pool, loc, q, idx)
+        want = step(k, b_pool, loc, q, idx)
+        assert torch.equal(a_pool, b_pool) and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert lay.row_bytes == pool.shape[1]
+
+
+def test_empty_inputs_launch_nothing():
+    q = torch.randn(0, 64, 256, dtype=torch.bfloat16, device="cuda")
+    out, lse = dsa.sparse_attn(q, torch.zeros(8, 256, dtype=torch.bfloat16, device="cuda"),
+                               torch.zeros(0, 64, dtype=torch.int32, device="cuda"), 0.1, 256)
+    assert out.shape == (0, 64, 256) and lse.shape == (0, 64)
+    out, lse = dsa.sparse_attn(torch.randn(2, 64, 256, dtype=torch.bfloat16, device="cuda"),
+                               torch.zeros(0, 256, dtype=torch.bfloat16, device="cuda"),
+                               torch.zeros(2, 64, dtype=torch.int32, device="cuda"), 0.1, 256)
+    assert out.eq(0).all() and (lse == -math.inf).all()
