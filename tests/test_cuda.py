@@ -120,18 +120,21 @@ def test_gathers(lay, slot_dtype):
                        reference.gather_dequant_k_cache(pool, ids))
 
 
-def test_cache_ops_one_row_and_a_million():
+@pytest.mark.parametrize("n", [1, 1 << 20], ids=["1-row", "1M-rows"])
+def test_cache_ops_one_row_and_a_million(n):
     lay = KCacheLayout(512, 64)
-    for n in (1, 1 << 20):
-        k = torch.randn(n, 512, device="cuda", dtype=torch.bfloat16)
-        r = torch.randn(n, 64, device="cuda", dtype=torch.bfloat16)
-        got = dsa.quant_k_cache(k, r)
-        assert torch.equal(got, reference.quant_k_cache(k, r))
-        pool = torch.zeros(n + 3, lay.row_bytes, dtype=torch.uint8, device="cuda")
-        loc = torch.randperm(n + 3, device="cuda")[:n].int()
-        dsa.store_k_cache(k, r, pool, loc)
-        assert torch.equal(pool[loc.long()], got)
-        assert torch.equal(dsa.gather_dequant_k_cache(pool, loc), reference.dequant_k_cache(got))
+    k = torch.randn(n, 512, dtype=torch.bfloat16)
+    r = torch.randn(n, 64, dtype=torch.bfloat16)
+    want = reference.quant_k_cache(k, r)  # the CPU oracle
+    k, r = k.cuda(), r.cuda()
+    got = dsa.quant_k_cache(k, r)
+    bad = (got.cpu() != want).any(dim=1).nonzero().flatten()
+    assert bad.numel() == 0, (bad[:4], got.cpu()[bad[:1]], want[bad[:1]])
+    pool = torch.zeros(n + 3, lay.row_bytes, dtype=torch.uint8, device="cuda")
+    loc = torch.randperm(n + 3, device="cuda")[:n].int()
+    dsa.store_k_cache(k, r, pool, loc)
+    assert torch.equal(pool[loc.long()], got)
+    assert torch.equal(dsa.gather_dequant_k_cache(pool, loc).cpu(), reference.dequant_k_cache(want))
 
 
 def test_store_graph_capture_replays_new_rows_and_slots():
@@ -271,7 +274,7 @@ def test_graph_replay_on_new_data(t_count):
 
 def test_torch_compile_decode_step():
     lay = KCacheLayout(256, 0)
-    pool = reference.quant_k_cache(torch.randn(1024, 256).bfloat16()).cuda()
+    pool = reference.quant_k_cache(torch.randn(1024, 256).bfloat16(), None).cuda()
     s = 256**-0.5
 
     def step(k, cache, loc, q, idx):

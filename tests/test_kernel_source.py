@@ -1,0 +1,96 @@
+"""Generated kernel sources on the CPU: CUDA (sm_90a) and HIP (gfx950) lowering of every kernel
+family, zero-width tails compiled out, and nvcc compiling the CUDA sources for sm_90a."""
+
+import functools
+import re
+import shutil
+
+import pytest
+
+from sparse_dsa_ops import KCacheLayout, _cuda
+
+LAYOUTS = {"656": KCacheLayout(512, 64), "264": KCacheLayout(256, 0)}
+CACHE_OPS = ["quant_k_cache", "store_k_cache", "dequant_k_cache", "gather_k_cache", "gather_dequant_k_cache"]
+ATTN = {"glm-256+0-h64": (256, 0, 64), "deepseek-512+64-h128": (512, 64, 128), "512+0-h16": (512, 0, 16)}
+
+
+@functools.cache
+def source(key: _cuda.KernelKey, target: str) -> str:
+    return _cuda.lower_source(key, target)
+
+
+def cache_key(op, width, slot="int32"):
+    return _cuda.cache_keys(op, LAYOUTS[width], round_scale=True, slot_dtype=slot)[0]
+
+
+def attn_keys(name, kind, has_len=False):
+    d_v, d_rope, heads = ATTN[name]
+    return _cuda.attn_keys(kind, d_v, d_rope, heads, (d_v + d_rope) ** -0.5, has_len)
+
+
+def kernel_body(src: str) -> str:
+    return src[src.index('extern "C"'):]
+
+
+@pytest.mark.parametrize("target", ["cuda", "hip"])
+@pytest.mark.parametrize("width", LAYOUTS)
+@pytest.mark.parametrize("op", CACHE_OPS)
+def test_cache_sources(op, width, target):
+    src = source(cache_key(op, width), target)
+    assert "__global__" in src and f"{op}_kernel" in src
+    if op in ("quant_k_cache", "store_k_cache"):
+        # the tail input exists exactly when the layout has a tail
+        assert ("k_rope" in src) == (LAYOUTS[width].d_rope > 0)
+    if op != "gather_k_cache":
+        # the bfloat16 view of the tail is created only when there is a tail to move
+        assert ("tails" in kernel_body(src)) == (LAYOUTS[width].d_rope > 0)
+
+
+@pytest.mark.parametrize("target", ["cuda", "hip"])
+@pytest.mark.parametrize("kind", ["bf16", "packed"])
+@pytest.mark.parametrize("name", ATTN)
+def test_attention_sources(name, kind, target):
+    keys = attn_keys(name, kind)
+    assert [k.family for k in keys] == ["attn_prefill", "attn_decode", "combine"]
+    for key in keys[:2]:
+        body = kernel_body(source(key, target))
+        has_tail = ATTN[name][1] > 0
+        # no tail buffers, copies or GEMMs when d_rope == 0
+        assert ("qt_s" in body) == has_tail and ("kt_s" in body) == has_tail
+        if target == "cuda":
+            gemms = len(re.findall(r"wgmma_ss<|gemm_ss<|mma_sync", body))
+            assert gemms >= 2
+    assert "combine_kernel" in source(keys[2], target)
+
+
+def test_tail_gemm_is_compiled_out():
+    # the same kernel with and without a tail differs by exactly the tail's GEMM and copies
+    with_tail = kernel_body(source(attn_keys("deepseek-512+64-h128", "bf16")[0], "cuda"))
+    no_tail = kernel_body(source(_cuda.attn_keys("bf16", 512, 0, 128, 576**-0.5, False)[0], "cuda"))
+    assert with_tail.count("initialize_wgmma_descriptor") > no_tail.count("initialize_wgmma_descriptor")
+    assert "kt_s" not in no_tail
+
+
+def test_topk_length_variant_takes_the_lengths():
+    plain = source(attn_keys("glm-256+0-h64", "packed")[1], "cuda")
+    with_len = source(attn_keys("glm-256+0-h64", "packed", has_len=True)[1], "cuda")
+    assert "topk_length" not in plain and "topk_length" in with_len
+
+
+NVCC = shutil.which("nvcc")
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
+@pytest.mark.parametrize(
+    "key",
+    [cache_key("store_k_cache", "656", "int64"), cache_key("gather_dequant_k_cache", "264"),
+     *attn_keys("glm-256+0-h64", "bf16"), *attn_keys("deepseek-512+64-h128", "packed", has_len=True)[:2]],
+    ids=lambda k: k.name,
+)
+def test_cuda_sources_compile_for_sm90a(key):
+    from tilelang.contrib import nvcc
+    from tilelang.env import CUTLASS_INCLUDE_DIR, TILELANG_TEMPLATE_PATH
+
+    cubin = nvcc.compile_cuda(source(key, "cuda"), target_format="cubin", arch=["-arch=sm_90a"],
+                              options=["-std=c++20", f"-I{TILELANG_TEMPLATE_PATH}", f"-I{CUTLASS_INCLUDE_DIR}"])
+    assert len(cubin) > 1000
