@@ -24,7 +24,8 @@ import tilelang.language as T
 
 from sparse_dsa_ops.layout import QUANT_TILE, KCacheLayout
 
-__all__ = ["AttnGeometry", "DEFAULT_TILES", "head_block", "build_attn", "build_combine"]
+__all__ = ["AttnGeometry", "DEFAULT_TILES", "head_block", "ws_supported", "build_attn", "build_attn_ws",
+           "build_combine"]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -64,6 +65,11 @@ def head_block(heads: int) -> int:
     while block < min(heads, MAX_HEAD_BLOCK):
         block *= 2
     return block
+
+
+def ws_supported(geo: AttnGeometry) -> bool:
+    """Whether :func:`build_attn_ws` handles ``geo`` (it also needs an sm_90 CUDA target)."""
+    return head_block(geo.heads) == MAX_HEAD_BLOCK and geo.d_v % 128 == 0 and geo.d_rope in (0, 64)
 
 
 def build_attn(geo: AttnGeometry, *, split: bool, block_i: int = 64, threads: int = 256, num_stages: int = 2):
@@ -263,3 +269,260 @@ def build_combine(d_v: int, heads: int):
                 lse[t, h] = T.if_then_else(total[0] > 0, top[0] + T.log(total[0]), -T.infinity(T.float32))
 
     return combine
+
+
+WS_THREADS = 384  # warpgroup 0: scores, softmax, left half of PV; 1: right half of PV; 2: gather
+WS_ROWS_PER_PASS = 16  # rows the producer warpgroup fills at once (8 threads per row)
+WS_THREADS_PER_ROW = 8
+
+
+def build_attn_ws(geo: AttnGeometry, *, block_i: int = 64):
+    """Warp-specialized prefill kernel for Hopper (sm_90, CUDA only: mbarriers and setmaxnreg): a
+    producer warpgroup gathers (and for a packed pool dequantizes) the next top-k block into the
+    other of two shared stages while two consumer warpgroups run the GEMMs and the softmax on the
+    current one; the value width is split in halves between the two consumers.
+
+    Same arguments as ``build_attn(geo, split=False)``; needs 33..64 heads per block (``head_block``
+    64). Rows of invalid entries are not gathered: their stage keeps earlier finite rows (or the
+    zeros it starts with) and their scores are -inf, so they weigh exactly 0.
+    """
+    assert ws_supported(geo), "needs 64 heads per block, d_v a multiple of 128 and d_rope 0 or 64"
+    assert geo.kv_kind in ("bf16", "packed"), f"unknown kv kind {geo.kv_kind}"
+    d_v, d_tail, d_qk, heads = geo.d_v, geo.d_rope, geo.d_qk, geo.heads
+    half = d_v // 2
+    hb = MAX_HEAD_BLOCK
+    groups = T.ceildiv(heads, hb)
+    scale2 = geo.sm_scale * LOG2E
+    packed = geo.kv_kind == "packed"
+    if packed:
+        layout = KCacheLayout(d_v, d_tail)
+        row_w = layout.row_bytes
+        scale_word, rope_half = layout.scale_offset // 4, layout.rope_offset // 2
+    else:
+        row_w = d_qk
+    vec = 16 if packed else 8  # elements one producer thread moves at once (16 bytes read)
+    chunks = d_v // (vec * WS_THREADS_PER_ROW)  # per thread and row
+    tail_chunks = d_tail // (8 * WS_THREADS_PER_ROW)
+    passes = block_i // WS_ROWS_PER_PASS
+    dtype, acc = T.bfloat16, T.float32
+    t_count, s_count, k_count = T.dynamic("t"), T.dynamic("s"), T.dynamic("k")
+
+    @T.macro
+    def produce(kv, indices, t, blk, n_valid, dst_l, dst_r, dst_t, ok_s, ready, free, phase):
+        T.barrier_wait(free, phase ^ 1)
+        tx = T.get_thread_binding() - 2 * 128
+        for p in T.serial(passes):
+            j = p * WS_ROWS_PER_PASS + tx // WS_THREADS_PER_ROW
+            lane = tx % WS_THREADS_PER_ROW
+            pos = blk * block_i + j
+            raw = T.if_then_else(pos < n_valid, indices[t, T.min(pos, k_count - 1)], -1)
+            ok = (raw >= 0) & (raw < s_count)
+            ok_s[j] = T.if_then_else(ok, 1, 0)
+            if ok:
+                if packed:
+                    values = T.view(kv, (s_count, row_w), T.float8_e4m3fn)
+                    scales = T.view(kv, (s_count, row_w // 4), T.float32)
+                    tails = T.view(kv, (s_count, row_w // 2), dtype)
+                    for c in T.serial(chunks):
+                        col = (c * WS_THREADS_PER_ROW + lane) * vec
+                        sc = scales[raw, scale_word + col // QUANT_TILE]
+                        if col < half:
+                            for v in T.vectorized(vec):
+                                dst_l[j, col + v] = T.cast(T.cast(values[raw, col + v], acc) * sc, dtype)
+                        else:
+                            for v in T.vectorized(vec):
+                                dst_r[j, col - half + v] = T.cast(T.cast(values[raw, col + v], acc) * sc, dtype)
+                    if d_tail:
+                        for c in T.serial(tail_chunks):
+                            col = (c * WS_THREADS_PER_ROW + lane) * 8
+                            for v in T.vectorized(8):
+                                dst_t[j, col + v] = tails[raw, rope_half + col + v]
+                else:
+                    for c in T.serial(chunks):
+                        col = (c * WS_THREADS_PER_ROW + lane) * vec
+                        if col < half:
+                            for v in T.vectorized(vec):
+                                dst_l[j, col + v] = kv[raw, col + v]
+                        else:
+                            for v in T.vectorized(vec):
+                                dst_r[j, col - half + v] = kv[raw, col + v]
+                    if d_tail:
+                        for c in T.serial(tail_chunks):
+                            col = (c * WS_THREADS_PER_ROW + lane) * 8
+                            for v in T.vectorized(8):
+                                dst_t[j, col + v] = kv[raw, d_v + col + v]
+        T.barrier_arrive(ready)  # release: the stage's rows and flags are visible to the consumers
+
+    @T.macro
+    def attend(q, kv, indices, topk_length, out, lse):
+        with T.Kernel(t_count * groups, threads=WS_THREADS) as bx:
+            q_l = T.alloc_shared((hb, half), dtype)
+            q_r = T.alloc_shared((hb, half), dtype)
+            kv_l0 = T.alloc_shared((block_i, half), dtype)
+            kv_r0 = T.alloc_shared((block_i, half), dtype)
+            kv_l1 = T.alloc_shared((block_i, half), dtype)
+            kv_r1 = T.alloc_shared((block_i, half), dtype)
+            if d_tail:
+                qt_s = T.alloc_shared((hb, d_tail), dtype)
+                kt_s0 = T.alloc_shared((block_i, d_tail), dtype)
+                kt_s1 = T.alloc_shared((block_i, d_tail), dtype)
+            else:
+                qt_s = kt_s0 = kt_s1 = None
+            ok0 = T.alloc_shared((block_i,), T.int32)
+            ok1 = T.alloc_shared((block_i,), T.int32)
+            p_s = T.alloc_shared((hb, block_i), dtype)
+            alpha_s = T.alloc_shared((hb,), acc)
+            sum_s = T.alloc_shared((hb,), acc)
+
+            acc_o = T.alloc_fragment((hb, half), acc)
+            acc_s = T.alloc_fragment((hb, block_i), acc)
+            m_i = T.alloc_fragment((hb,), acc)
+            m_prev = T.alloc_fragment((hb,), acc)
+            alpha = T.alloc_fragment((hb,), acc)
+            sum_i = T.alloc_fragment((hb,), acc)
+            sumexp = T.alloc_fragment((hb,), acc)
+
+            ready0 = T.alloc_barrier(arrive_count=128)
+            ready1 = T.alloc_barrier(arrive_count=128)
+            free0 = T.alloc_barrier(arrive_count=256)
+            free1 = T.alloc_barrier(arrive_count=256)
+            p_ready = T.alloc_barrier(arrive_count=128)
+            p_free = T.alloc_barrier(arrive_count=128)
+            done = T.alloc_barrier(arrive_count=128)
+
+            t = bx // groups
+            h0 = (bx % groups) * hb
+            if geo.has_topk_length:
+                n_valid = T.max(T.min(topk_length[t], k_count), 0)
+            else:
+                n_valid = k_count
+            pairs = T.ceildiv(T.ceildiv(n_valid, block_i), 2)
+
+            for h, d in T.Parallel(hb, half):
+                q_l[h, d] = T.if_then_else(h0 + h < heads, q[t, T.min(h0 + h, heads - 1), d], 0)
+                q_r[h, d] = T.if_then_else(h0 + h < heads, q[t, T.min(h0 + h, heads - 1), half + d], 0)
+            if d_tail:
+                for h, d in T.Parallel(hb, d_tail):
+                    qt_s[h, d] = T.if_then_else(h0 + h < heads, q[t, T.min(h0 + h, heads - 1), d_v + d], 0)
+            # rows of invalid entries are never gathered: start every stage finite
+            for j, d in T.Parallel(block_i, half):
+                kv_l0[j, d] = 0
+                kv_r0[j, d] = 0
+                kv_l1[j, d] = 0
+                kv_r1[j, d] = 0
+            if d_tail:
+                for j, d in T.Parallel(block_i, d_tail):
+                    kt_s0[j, d] = 0
+                    kt_s1[j, d] = 0
+            T.sync_threads()
+
+            tx = T.get_thread_binding()
+            if tx < 128:
+                T.set_max_nreg(240, 1)
+                T.fill(acc_o, 0)
+                T.fill(sumexp, 0)
+                T.fill(m_i, NEG_START)
+                for it in T.serial(pairs * 2):
+                    phase = (it // 2) & 1
+                    if it % 2 == 0:
+                        T.barrier_wait(ready0, phase)
+                    else:
+                        T.barrier_wait(ready1, phase)
+                    for h, j in T.Parallel(hb, block_i):
+                        ok = T.if_then_else(it % 2 == 0, ok0[j], ok1[j])
+                        acc_s[h, j] = T.if_then_else(ok != 0, 0, -T.infinity(acc))
+                    if it % 2 == 0:
+                        T.gemm(q_l, kv_l0, acc_s, transpose_B=True)
+                        T.gemm(q_r, kv_r0, acc_s, transpose_B=True)
+                        if d_tail:
+                            T.gemm(qt_s, kt_s0, acc_s, transpose_B=True)
+                    else:
+                        T.gemm(q_l, kv_l1, acc_s, transpose_B=True)
+                        T.gemm(q_r, kv_r1, acc_s, transpose_B=True)
+                        if d_tail:
+                            T.gemm(qt_s, kt_s1, acc_s, transpose_B=True)
+                    if it > 0:
+                        T.barrier_wait(p_free, (it - 1) & 1)  # warpgroup 1 is done with p_s and alpha_s
+                    T.copy(m_i, m_prev)
+                    T.reduce_max(acc_s, m_i, dim=1, clear=False)
+                    for h in T.Parallel(hb):
+                        m_i[h] = T.max(m_i[h], m_prev[h])
+                        alpha[h] = T.exp2((m_prev[h] - m_i[h]) * scale2)
+                    for h, j in T.Parallel(hb, block_i):
+                        acc_s[h, j] = T.exp2(acc_s[h, j] * scale2 - m_i[h] * scale2)
+                    T.reduce_sum(acc_s, sum_i, dim=1)
+                    for h in T.Parallel(hb):
+                        sumexp[h] = sumexp[h] * alpha[h] + sum_i[h]
+                    for h, d in T.Parallel(hb, half):
+                        acc_o[h, d] = acc_o[h, d] * alpha[h]
+                    T.copy(alpha, alpha_s)
+                    T.copy(acc_s, p_s)
+                    if it % 2 == 0:
+                        T.gemm(p_s, kv_l0, acc_o)
+                    else:
+                        T.gemm(p_s, kv_l1, acc_o)
+                    T.barrier_arrive(p_ready)
+                    if it % 2 == 0:
+                        T.barrier_arrive(free0)
+                    else:
+                        T.barrier_arrive(free1)
+                T.copy(sumexp, sum_s)
+                T.barrier_arrive(done)
+                for h, d in T.Parallel(hb, half):
+                    acc_o[h, d] = T.if_then_else(sumexp[h] > 0, acc_o[h, d] / sumexp[h], 0)
+                for h in T.Parallel(hb):
+                    sum_i[h] = T.if_then_else(sumexp[h] > 0, (T.log2(sumexp[h]) + m_i[h] * scale2) * LN2,
+                                              -T.infinity(acc))
+                T.copy(acc_o, q_l)
+                for h, d in T.Parallel(hb, half):
+                    if h0 + h < heads:
+                        out[t, h0 + h, d] = q_l[h, d]
+                for h in T.Parallel(hb):
+                    if h0 + h < heads:
+                        lse[t, h0 + h] = sum_i[h]
+            elif tx < 256:
+                T.set_max_nreg(168, 1)
+                T.fill(acc_o, 0)
+                for it in T.serial(pairs * 2):
+                    T.barrier_wait(p_ready, it & 1)
+                    for h, d in T.Parallel(hb, half):
+                        acc_o[h, d] = acc_o[h, d] * alpha_s[h]
+                    if it % 2 == 0:
+                        T.gemm(p_s, kv_r0, acc_o)
+                        T.barrier_arrive(free0)
+                    else:
+                        T.gemm(p_s, kv_r1, acc_o)
+                        T.barrier_arrive(free1)
+                    T.barrier_arrive(p_free)
+                T.barrier_wait(done, 0)
+                for h, d in T.Parallel(hb, half):
+                    acc_o[h, d] = T.if_then_else(sum_s[h] > 0, acc_o[h, d] / sum_s[h], 0)
+                T.copy(acc_o, q_r)
+                for h, d in T.Parallel(hb, half):
+                    if h0 + h < heads:
+                        out[t, h0 + h, half + d] = q_r[h, d]
+            else:
+                T.set_max_nreg(80, 0)
+                for pair in T.serial(pairs):
+                    produce(kv, indices, t, 2 * pair, n_valid, kv_l0, kv_r0, kt_s0, ok0, ready0, free0, pair & 1)
+                    produce(kv, indices, t, 2 * pair + 1, n_valid, kv_l1, kv_r1, kt_s1, ok1, ready1, free1, pair & 1)
+
+    q_t_ = T.Tensor((t_count, heads, d_qk), dtype)
+    kv_t = T.Tensor((s_count, row_w), T.uint8 if packed else dtype)
+    idx_t = T.Tensor((t_count, k_count), T.int32)
+    out_t = T.Tensor((t_count, heads, d_v), dtype)
+    lse_t = T.Tensor((t_count, heads), acc)
+    if geo.has_topk_length:
+
+        @T.prim_func
+        def sparse_attn_ws(q: q_t_, kv: kv_t, indices: idx_t, topk_length: T.Tensor((t_count,), T.int32),
+                           out: out_t, lse: lse_t):
+            attend(q, kv, indices, topk_length, out, lse)
+
+        return sparse_attn_ws
+
+    @T.prim_func
+    def sparse_attn_ws(q: q_t_, kv: kv_t, indices: idx_t, out: out_t, lse: lse_t):
+        attend(q, kv, indices, None, out, lse)
+
+    return sparse_attn_ws

@@ -186,7 +186,8 @@ def source(args: argparse.Namespace) -> int:
 
     if args.op == "sparse_attn":
         sm_scale = args.sm_scale if args.sm_scale is not None else (args.d_nope + args.d_rope) ** -0.5
-        keys = _cuda.attn_keys(args.kv, args.d_nope, args.d_rope, args.heads, sm_scale, args.topk_length)
+        keys = _cuda.attn_keys(args.kv, args.d_nope, args.d_rope, args.heads, sm_scale, args.topk_length,
+                               target=args.target)
     else:
         keys = _cuda.cache_keys(args.op, KCacheLayout(args.d_nope, args.d_rope), args.round_scale, args.slot_dtype)
     for key in keys:

@@ -31,7 +31,7 @@ TARGETS = {"cuda": {"kind": "cuda", "arch": "sm_90a"}, "hip": {"kind": "hip", "m
 class KernelKey:
     """One compiled kernel: ``family`` names the builder, ``spec`` is its frozen geometry record."""
 
-    family: str  # quant | store | dequant | gather_dequant | gather | attn_prefill | attn_decode | combine
+    family: str  # quant | store | dequant | gather_dequant | gather | attn_prefill(_ws) | attn_decode | combine
     spec: object  # KCacheLayout, csrc_tl.sparse_attn.AttnGeometry or (d_v, heads)
     flags: tuple = ()  # family-specific: round_scale, slot dtype
 
@@ -56,6 +56,8 @@ def program(key: KernelKey):
         return k_cache.build_dequant(spec, gather=True, slot_dtype=flags[0])
     if fam == "gather":
         return k_cache.build_gather_bytes(spec, slot_dtype=flags[0])
+    if fam == "attn_prefill_ws":
+        return sparse_attn.build_attn_ws(spec)
     if fam in ("attn_prefill", "attn_decode"):
         path = fam.removeprefix("attn_")
         return sparse_attn.build_attn(spec, split=path == "decode", **sparse_attn.DEFAULT_TILES[path])
@@ -76,12 +78,15 @@ def cache_keys(op: str, layout: KCacheLayout, round_scale: bool = False, slot_dt
 
 
 def attn_keys(kv_kind: str, d_v: int, d_rope: int, heads: int, sm_scale: float, has_topk_length: bool,
-              paths: Iterable[str] = ("prefill", "decode")) -> list[KernelKey]:
-    """The kernels ``sparse_attn`` runs for one geometry: a prefill kernel, a decode kernel and its combine."""
-    from csrc_tl.sparse_attn import AttnGeometry
+              paths: Iterable[str] = ("prefill", "decode"), target: str | None = None) -> list[KernelKey]:
+    """The kernels ``sparse_attn`` runs for one geometry on ``target`` (default: this machine's):
+    a prefill kernel (warp-specialized on CUDA where the geometry allows), a decode kernel and its combine."""
+    from csrc_tl.sparse_attn import AttnGeometry, ws_supported
 
     geo = AttnGeometry(d_v, d_rope, heads, kv_kind, has_topk_length, float(sm_scale))
-    keys = [KernelKey(f"attn_{path}", geo) for path in paths]
+    hopper = target == "cuda" if target else _target() == "cuda" and torch.cuda.get_device_capability() == (9, 0)
+    ws = hopper and ws_supported(geo)
+    keys = [KernelKey("attn_prefill_ws" if path == "prefill" and ws else f"attn_{path}", geo) for path in paths]
     if "decode" in paths:
         keys.append(KernelKey("combine", (d_v, heads)))
     return keys

@@ -23,9 +23,9 @@ def cache_key(op, width, slot="int32"):
     return _cuda.cache_keys(op, LAYOUTS[width], round_scale=True, slot_dtype=slot)[0]
 
 
-def attn_keys(name, kind, has_len=False):
+def attn_keys(name, kind, has_len=False, target="cuda"):
     d_v, d_rope, heads = ATTN[name]
-    return _cuda.attn_keys(kind, d_v, d_rope, heads, (d_v + d_rope) ** -0.5, has_len)
+    return _cuda.attn_keys(kind, d_v, d_rope, heads, (d_v + d_rope) ** -0.5, has_len, target=target)
 
 
 def kernel_body(src: str) -> str:
@@ -50,8 +50,10 @@ def test_cache_sources(op, width, target):
 @pytest.mark.parametrize("kind", ["bf16", "packed"])
 @pytest.mark.parametrize("name", ATTN)
 def test_attention_sources(name, kind, target):
-    keys = attn_keys(name, kind)
-    assert [k.family for k in keys] == ["attn_prefill", "attn_decode", "combine"]
+    keys = attn_keys(name, kind, target=target)
+    # the warp-specialized prefill kernel is CUDA-only and needs 64 heads per block
+    ws = target == "cuda" and ATTN[name][2] >= 33
+    assert [k.family for k in keys] == ["attn_prefill_ws" if ws else "attn_prefill", "attn_decode", "combine"]
     for key in keys[:2]:
         body = kernel_body(source(key, target))
         has_tail = ATTN[name][1] > 0
@@ -66,7 +68,7 @@ def test_attention_sources(name, kind, target):
 def test_tail_gemm_is_compiled_out():
     # the same kernel with and without a tail differs by exactly the tail's GEMM and copies
     with_tail = kernel_body(source(attn_keys("deepseek-512+64-h128", "bf16")[0], "cuda"))
-    no_tail = kernel_body(source(_cuda.attn_keys("bf16", 512, 0, 128, 576**-0.5, False)[0], "cuda"))
+    no_tail = kernel_body(source(_cuda.attn_keys("bf16", 512, 0, 128, 576**-0.5, False, target="cuda")[0], "cuda"))
     assert with_tail.count("initialize_wgmma_descriptor") > no_tail.count("initialize_wgmma_descriptor")
     assert "kt_s" not in no_tail
 
