@@ -351,7 +351,9 @@ def build_attn_ws(geo: AttnGeometry, *, block_i: int = 64):
                             col = (c * WS_THREADS_PER_ROW + lane) * 8
                             for v in T.vectorized(8):
                                 dst_t[j, col + v] = kv[raw, d_v + col + v]
-        T.barrier_arrive(ready)  # release: the stage's rows and flags are visible to the consumers
+        # generic-proxy smem writes must be fenced before the consumers' wgmma (async proxy) reads them
+        T.fence_proxy_async()
+        T.barrier_arrive(ready)
 
     @T.macro
     def attend(q, kv, indices, topk_length, out, lse):
@@ -374,7 +376,8 @@ def build_attn_ws(geo: AttnGeometry, *, block_i: int = 64):
             alpha_s = T.alloc_shared((hb,), acc)
             sum_s = T.alloc_shared((hb,), acc)
 
-            acc_o = T.alloc_fragment((hb, half), acc)
+            acc_o = T.alloc_fragment((hb, half), acc)  # warpgroup 0: left half of the output
+            acc_o_r = T.alloc_fragment((hb, half), acc)  # warpgroup 1: right half (its own fragment layout)
             acc_s = T.alloc_fragment((hb, block_i), acc)
             m_i = T.alloc_fragment((hb,), acc)
             m_prev = T.alloc_fragment((hb,), acc)
@@ -414,6 +417,7 @@ def build_attn_ws(geo: AttnGeometry, *, block_i: int = 64):
                 for j, d in T.Parallel(block_i, d_tail):
                     kt_s0[j, d] = 0
                     kt_s1[j, d] = 0
+            T.fence_proxy_async()  # the zeros must be what wgmma sees in rows that are never gathered
             T.sync_threads()
 
             tx = T.get_thread_binding()
@@ -480,28 +484,28 @@ def build_attn_ws(geo: AttnGeometry, *, block_i: int = 64):
                 for h in T.Parallel(hb):
                     if h0 + h < heads:
                         lse[t, h0 + h] = sum_i[h]
-            elif tx < 256:
+            elif tx >= 128 and tx < 256:
                 T.set_max_nreg(168, 1)
-                T.fill(acc_o, 0)
+                T.fill(acc_o_r, 0)
                 for it in T.serial(pairs * 2):
                     T.barrier_wait(p_ready, it & 1)
                     for h, d in T.Parallel(hb, half):
-                        acc_o[h, d] = acc_o[h, d] * alpha_s[h]
+                        acc_o_r[h, d] = acc_o_r[h, d] * alpha_s[h]
                     if it % 2 == 0:
-                        T.gemm(p_s, kv_r0, acc_o)
+                        T.gemm(p_s, kv_r0, acc_o_r)
                         T.barrier_arrive(free0)
                     else:
-                        T.gemm(p_s, kv_r1, acc_o)
+                        T.gemm(p_s, kv_r1, acc_o_r)
                         T.barrier_arrive(free1)
                     T.barrier_arrive(p_free)
                 T.barrier_wait(done, 0)
                 for h, d in T.Parallel(hb, half):
-                    acc_o[h, d] = T.if_then_else(sum_s[h] > 0, acc_o[h, d] / sum_s[h], 0)
-                T.copy(acc_o, q_r)
+                    acc_o_r[h, d] = T.if_then_else(sum_s[h] > 0, acc_o_r[h, d] / sum_s[h], 0)
+                T.copy(acc_o_r, q_r)
                 for h, d in T.Parallel(hb, half):
                     if h0 + h < heads:
                         out[t, h0 + h, half + d] = q_r[h, d]
-            else:
+            elif tx >= 256:
                 T.set_max_nreg(80, 0)
                 for pair in T.serial(pairs):
                     produce(kv, indices, t, 2 * pair, n_valid, kv_l0, kv_r0, kt_s0, ok0, ready0, free0, pair & 1)
