@@ -271,31 +271,25 @@ def build_combine(d_v: int, heads: int):
     return combine
 
 
-
-WS_THREADS = 384  # warpgroups 0 and 1 consume (scores, softmax, PV); warpgroup 2 gathers
+WS_THREADS = 384  # warpgroup 0: scores, softmax, left half of PV; 1: right half of PV; 2: gather
 WS_ROWS_PER_PASS = 16  # rows the producer warpgroup fills at once (8 threads per row)
 WS_THREADS_PER_ROW = 8
-WS_REGS = (224, 224, 56)  # setmaxnreg of the three warpgroups: 128 * 504 <= 64K registers
 
 
 def build_attn_ws(geo: AttnGeometry, *, block_i: int = 64):
-    """Warp-specialized prefill kernel for Hopper (sm_90, CUDA only: mbarriers and setmaxnreg).
+    """Warp-specialized prefill kernel for Hopper (sm_90, CUDA only: mbarriers and setmaxnreg): a
+    producer warpgroup gathers (and for a packed pool dequantizes) the next top-k block into the
+    other of two shared stages while two consumer warpgroups run the GEMMs and the softmax on the
+    current one; the value width is split in halves between the two consumers.
 
-    Warpgroup 2 gathers (and, for a packed pool, dequantizes) top-k block ``i + 1`` into one of two
-    shared stages while warpgroups 0 and 1 work on block ``i``. The work of a block is split evenly:
-    warpgroup w scores rows ``[w * block_i / 2, (w + 1) * block_i / 2)`` of the block against all
-    64 heads, the two exchange their row maxima through shared memory, each writes its half of the
-    probabilities, and then each multiplies all probabilities with its half of the value columns.
-
-    Same arguments as ``build_attn(geo, split=False)``; needs ``ws_supported(geo)``. Rows of invalid
-    entries are not gathered: their stage keeps earlier finite rows (or the zeros it starts with)
-    and their scores are -inf, so they weigh exactly 0.
+    Same arguments as ``build_attn(geo, split=False)``; needs 33..64 heads per block (``head_block``
+    64). Rows of invalid entries are not gathered: their stage keeps earlier finite rows (or the
+    zeros it starts with) and their scores are -inf, so they weigh exactly 0.
     """
     assert ws_supported(geo), "needs 64 heads per block, d_v a multiple of 128 and d_rope 0 or 64"
     assert geo.kv_kind in ("bf16", "packed"), f"unknown kv kind {geo.kv_kind}"
     d_v, d_tail, d_qk, heads = geo.d_v, geo.d_rope, geo.d_qk, geo.heads
-    half = d_v // 2  # value columns per consumer warpgroup
-    rows = block_i // 2  # block rows per consumer warpgroup
+    half = d_v // 2
     hb = MAX_HEAD_BLOCK
     groups = T.ceildiv(heads, hb)
     scale2 = geo.sm_scale * LOG2E
@@ -309,21 +303,21 @@ def build_attn_ws(geo: AttnGeometry, *, block_i: int = 64):
     vec = 16 if packed else 8  # elements one producer thread moves at once (16 bytes read)
     chunks = d_v // (vec * WS_THREADS_PER_ROW)  # per thread and row
     tail_chunks = d_tail // (8 * WS_THREADS_PER_ROW)
-    passes = rows // WS_ROWS_PER_PASS  # per row half
+    passes = block_i // WS_ROWS_PER_PASS
     dtype, acc = T.bfloat16, T.float32
     t_count, s_count, k_count = T.dynamic("t"), T.dynamic("s"), T.dynamic("k")
 
     @T.macro
-    def gather_rows(kv, indices, t, blk, first_row, n_valid, dst_l, dst_r, dst_t, ok_s):
-        """Rows ``first_row .. first_row + rows`` of top-k block ``blk`` into ``dst_*`` (row-local)."""
-        tx = T.get_thread_binding() - 256
-        lane = tx % WS_THREADS_PER_ROW
+    def produce(kv, indices, t, blk, n_valid, dst_l, dst_r, dst_t, ok_s, ready, free, phase):
+        T.barrier_wait(free, phase ^ 1)
+        tx = T.get_thread_binding() - 2 * 128
         for p in T.serial(passes):
             j = p * WS_ROWS_PER_PASS + tx // WS_THREADS_PER_ROW
-            pos = blk * block_i + first_row + j
+            lane = tx % WS_THREADS_PER_ROW
+            pos = blk * block_i + j
             raw = T.if_then_else(pos < n_valid, indices[t, T.min(pos, k_count - 1)], -1)
             ok = (raw >= 0) & (raw < s_count)
-            ok_s[first_row + j] = T.if_then_else(ok, 1, 0)
+            ok_s[j] = T.if_then_else(ok, 1, 0)
             if ok:
                 if packed:
                     values = T.view(kv, (s_count, row_w), T.float8_e4m3fn)
@@ -357,138 +351,47 @@ def build_attn_ws(geo: AttnGeometry, *, block_i: int = 64):
                             col = (c * WS_THREADS_PER_ROW + lane) * 8
                             for v in T.vectorized(8):
                                 dst_t[j, col + v] = kv[raw, d_v + col + v]
-
-    @T.macro
-    def produce(kv, indices, t, blk, n_valid, stage, ok_s, ready, free, phase):
-        T.barrier_wait(free, phase ^ 1)
-        gather_rows(kv, indices, t, blk, 0, n_valid, stage[0][0], stage[0][1], stage[0][2], ok_s)
-        gather_rows(kv, indices, t, blk, rows, n_valid, stage[1][0], stage[1][1], stage[1][2], ok_s)
         # generic-proxy smem writes must be fenced before the consumers' wgmma (async proxy) reads them
         T.fence_proxy_async()
         T.barrier_arrive(ready)
-
-    @T.macro
-    def consume(w, q_l, q_r, qt_s, stage, ok_s, ready, free, phase, p_mine, p_all, mx_s, sum_s, bar_mx, bar_p,
-                bar_end, it, acc_o, acc_s, m_i, m_prev, alpha, sum_i, sumexp):
-        """One top-k block for consumer warpgroup ``w``: scores of its rows, shared softmax, PV of its columns."""
-        T.barrier_wait(ready, phase)
-        for h, j in T.Parallel(hb, rows):
-            acc_s[h, j] = T.if_then_else(ok_s[w * rows + j] != 0, 0, -T.infinity(acc))
-        T.gemm(q_l, stage[w][0], acc_s, transpose_B=True)
-        T.gemm(q_r, stage[w][1], acc_s, transpose_B=True)
-        if d_tail:
-            T.gemm(qt_s, stage[w][2], acc_s, transpose_B=True)
-        T.copy(m_i, m_prev)
-        T.reduce_max(acc_s, m_i, dim=1, clear=False)
-        for h in T.Parallel(hb):
-            mx_s[w, h] = m_i[h]
-        T.barrier_arrive(bar_mx)
-        T.barrier_wait(bar_mx, it & 1)
-        for h in T.Parallel(hb):
-            m_i[h] = T.max(T.max(m_i[h], mx_s[1 - w, h]), m_prev[h])
-            alpha[h] = T.exp2((m_prev[h] - m_i[h]) * scale2)
-        for h, j in T.Parallel(hb, rows):
-            acc_s[h, j] = T.exp2(acc_s[h, j] * scale2 - m_i[h] * scale2)
-        T.reduce_sum(acc_s, sum_i, dim=1)
-        for h in T.Parallel(hb):
-            sumexp[h] = sumexp[h] * alpha[h] + sum_i[h]
-        for h, d in T.Parallel(hb, half):
-            acc_o[h, d] = acc_o[h, d] * alpha[h]
-        T.copy(acc_s, p_mine)
-        T.fence_proxy_async()  # both warpgroups' wgmma read these probabilities
-        T.barrier_arrive(bar_p)
-        T.barrier_wait(bar_p, it & 1)
-        T.gemm(p_all[0], stage[0][w], acc_o)
-        T.gemm(p_all[1], stage[1][w], acc_o)
-        T.barrier_arrive(free)
-
-    @T.macro
-    def finish(w, out, lse, t, h0, stage_out, sum_s, bar_end, acc_o, m_i, sum_i, sumexp):
-        for h in T.Parallel(hb):
-            sum_s[w, h] = sumexp[h]
-        T.barrier_arrive(bar_end)
-        T.barrier_wait(bar_end, 0)
-        for h in T.Parallel(hb):
-            sumexp[h] = sumexp[h] + sum_s[1 - w, h]
-        for h, d in T.Parallel(hb, half):
-            acc_o[h, d] = T.if_then_else(sumexp[h] > 0, acc_o[h, d] / sumexp[h], 0)
-        T.copy(acc_o, stage_out)
-        for h, d in T.Parallel(hb, half):
-            if h0 + h < heads:
-                out[t, h0 + h, w * half + d] = stage_out[h, d]
-        if w == 0:
-            for h in T.Parallel(hb):
-                sum_i[h] = T.if_then_else(sumexp[h] > 0, (T.log2(sumexp[h]) + m_i[h] * scale2) * LN2,
-                                          -T.infinity(acc))
-            for h in T.Parallel(hb):
-                if h0 + h < heads:
-                    lse[t, h0 + h] = sum_i[h]
-
-    def alloc_stage():
-        """Shared buffers of one stage: [row half][left columns, right columns, tail]."""
-        return [[T.alloc_shared((rows, half), dtype), T.alloc_shared((rows, half), dtype),
-                 T.alloc_shared((rows, d_tail), dtype) if d_tail else None] for _half in (0, 1)]
-
-    def alloc_frags():
-        """Register fragments of one consumer warpgroup (each warpgroup needs its own layouts)."""
-        return dict(acc_o=T.alloc_fragment((hb, half), acc), acc_s=T.alloc_fragment((hb, rows), acc),
-                    m_i=T.alloc_fragment((hb,), acc), m_prev=T.alloc_fragment((hb,), acc),
-                    alpha=T.alloc_fragment((hb,), acc), sum_i=T.alloc_fragment((hb,), acc),
-                    sumexp=T.alloc_fragment((hb,), acc))
-
-    @T.macro
-    def zero_rows(buf, width):
-        for j, d in T.Parallel(rows, width):
-            buf[j, d] = 0
-
-    @T.macro
-    def zero_stage(stage):
-        zero_rows(stage[0][0], half)
-        zero_rows(stage[0][1], half)
-        zero_rows(stage[1][0], half)
-        zero_rows(stage[1][1], half)
-        if d_tail:
-            zero_rows(stage[0][2], d_tail)
-            zero_rows(stage[1][2], d_tail)
-
-    @T.macro
-    def consumer_role(w, f, q_l, q_r, qt_s, stages, ok0, ok1, ready0, ready1, free0, free1, p_s, mx_s, sum_s,
-                      bar_mx, bar_p, bar_end, pairs, out, lse, t, h0):
-        T.set_max_nreg(WS_REGS[w], 1)
-        T.fill(f["acc_o"], 0)
-        T.fill(f["sumexp"], 0)
-        T.fill(f["m_i"], NEG_START)
-        for pair in T.serial(pairs):
-            consume(w, q_l, q_r, qt_s, stages[0], ok0, ready0, free0, pair & 1, p_s[w], p_s, mx_s, sum_s, bar_mx,
-                    bar_p, bar_end, 2 * pair, f["acc_o"], f["acc_s"], f["m_i"], f["m_prev"], f["alpha"],
-                    f["sum_i"], f["sumexp"])
-            consume(w, q_l, q_r, qt_s, stages[1], ok1, ready1, free1, pair & 1, p_s[w], p_s, mx_s, sum_s, bar_mx,
-                    bar_p, bar_end, 2 * pair + 1, f["acc_o"], f["acc_s"], f["m_i"], f["m_prev"], f["alpha"],
-                    f["sum_i"], f["sumexp"])
-        finish(w, out, lse, t, h0, q_l if w == 0 else q_r, sum_s, bar_end, f["acc_o"], f["m_i"], f["sum_i"],
-               f["sumexp"])
 
     @T.macro
     def attend(q, kv, indices, topk_length, out, lse):
         with T.Kernel(t_count * groups, threads=WS_THREADS) as bx:
             q_l = T.alloc_shared((hb, half), dtype)
             q_r = T.alloc_shared((hb, half), dtype)
-            qt_s = T.alloc_shared((hb, d_tail), dtype) if d_tail else None
-            # stages[s][row half][0: left columns, 1: right columns, 2: tail]
-            stages = [alloc_stage(), alloc_stage()]
+            kv_l0 = T.alloc_shared((block_i, half), dtype)
+            kv_r0 = T.alloc_shared((block_i, half), dtype)
+            kv_l1 = T.alloc_shared((block_i, half), dtype)
+            kv_r1 = T.alloc_shared((block_i, half), dtype)
+            if d_tail:
+                qt_s = T.alloc_shared((hb, d_tail), dtype)
+                kt_s0 = T.alloc_shared((block_i, d_tail), dtype)
+                kt_s1 = T.alloc_shared((block_i, d_tail), dtype)
+            else:
+                qt_s = kt_s0 = kt_s1 = None
             ok0 = T.alloc_shared((block_i,), T.int32)
             ok1 = T.alloc_shared((block_i,), T.int32)
-            p_s = [T.alloc_shared((hb, rows), dtype), T.alloc_shared((hb, rows), dtype)]
-            mx_s = T.alloc_shared((2, hb), acc)
-            sum_s = T.alloc_shared((2, hb), acc)
-            frags = [alloc_frags(), alloc_frags()]
+            p_s = T.alloc_shared((hb, block_i), dtype)
+            alpha_s = T.alloc_shared((hb,), acc)
+            sum_s = T.alloc_shared((hb,), acc)
+
+            acc_o = T.alloc_fragment((hb, half), acc)  # warpgroup 0: left half of the output
+            acc_o_r = T.alloc_fragment((hb, half), acc)  # warpgroup 1: right half (its own fragment layout)
+            acc_s = T.alloc_fragment((hb, block_i), acc)
+            m_i = T.alloc_fragment((hb,), acc)
+            m_prev = T.alloc_fragment((hb,), acc)
+            alpha = T.alloc_fragment((hb,), acc)
+            sum_i = T.alloc_fragment((hb,), acc)
+            sumexp = T.alloc_fragment((hb,), acc)
+
             ready0 = T.alloc_barrier(arrive_count=128)
             ready1 = T.alloc_barrier(arrive_count=128)
             free0 = T.alloc_barrier(arrive_count=256)
             free1 = T.alloc_barrier(arrive_count=256)
-            bar_mx = T.alloc_barrier(arrive_count=256)
-            bar_p = T.alloc_barrier(arrive_count=256)
-            bar_end = T.alloc_barrier(arrive_count=256)
+            p_ready = T.alloc_barrier(arrive_count=128)
+            p_free = T.alloc_barrier(arrive_count=128)
+            done = T.alloc_barrier(arrive_count=128)
 
             t = bx // groups
             h0 = (bx % groups) * hb
@@ -505,23 +408,108 @@ def build_attn_ws(geo: AttnGeometry, *, block_i: int = 64):
                 for h, d in T.Parallel(hb, d_tail):
                     qt_s[h, d] = T.if_then_else(h0 + h < heads, q[t, T.min(h0 + h, heads - 1), d_v + d], 0)
             # rows of invalid entries are never gathered: start every stage finite
-            zero_stage(stages[0])
-            zero_stage(stages[1])
+            for j, d in T.Parallel(block_i, half):
+                kv_l0[j, d] = 0
+                kv_r0[j, d] = 0
+                kv_l1[j, d] = 0
+                kv_r1[j, d] = 0
+            if d_tail:
+                for j, d in T.Parallel(block_i, d_tail):
+                    kt_s0[j, d] = 0
+                    kt_s1[j, d] = 0
             T.fence_proxy_async()  # the zeros must be what wgmma sees in rows that are never gathered
             T.sync_threads()
 
             tx = T.get_thread_binding()
             if tx < 128:
-                consumer_role(0, frags[0], q_l, q_r, qt_s, stages, ok0, ok1, ready0, ready1, free0, free1, p_s,
-                              mx_s, sum_s, bar_mx, bar_p, bar_end, pairs, out, lse, t, h0)
-            elif tx >= 128 and tx < 256:  # one if/elif chain: ThreadSync treats the roles as exclusive
-                consumer_role(1, frags[1], q_l, q_r, qt_s, stages, ok0, ok1, ready0, ready1, free0, free1, p_s,
-                              mx_s, sum_s, bar_mx, bar_p, bar_end, pairs, out, lse, t, h0)
+                T.set_max_nreg(240, 1)
+                T.fill(acc_o, 0)
+                T.fill(sumexp, 0)
+                T.fill(m_i, NEG_START)
+                for it in T.serial(pairs * 2):
+                    phase = (it // 2) & 1
+                    if it % 2 == 0:
+                        T.barrier_wait(ready0, phase)
+                    else:
+                        T.barrier_wait(ready1, phase)
+                    for h, j in T.Parallel(hb, block_i):
+                        ok = T.if_then_else(it % 2 == 0, ok0[j], ok1[j])
+                        acc_s[h, j] = T.if_then_else(ok != 0, 0, -T.infinity(acc))
+                    if it % 2 == 0:
+                        T.gemm(q_l, kv_l0, acc_s, transpose_B=True)
+                        T.gemm(q_r, kv_r0, acc_s, transpose_B=True)
+                        if d_tail:
+                            T.gemm(qt_s, kt_s0, acc_s, transpose_B=True)
+                    else:
+                        T.gemm(q_l, kv_l1, acc_s, transpose_B=True)
+                        T.gemm(q_r, kv_r1, acc_s, transpose_B=True)
+                        if d_tail:
+                            T.gemm(qt_s, kt_s1, acc_s, transpose_B=True)
+                    if it > 0:
+                        T.barrier_wait(p_free, (it - 1) & 1)  # warpgroup 1 is done with p_s and alpha_s
+                    T.copy(m_i, m_prev)
+                    T.reduce_max(acc_s, m_i, dim=1, clear=False)
+                    for h in T.Parallel(hb):
+                        m_i[h] = T.max(m_i[h], m_prev[h])
+                        alpha[h] = T.exp2((m_prev[h] - m_i[h]) * scale2)
+                    for h, j in T.Parallel(hb, block_i):
+                        acc_s[h, j] = T.exp2(acc_s[h, j] * scale2 - m_i[h] * scale2)
+                    T.reduce_sum(acc_s, sum_i, dim=1)
+                    for h in T.Parallel(hb):
+                        sumexp[h] = sumexp[h] * alpha[h] + sum_i[h]
+                    for h, d in T.Parallel(hb, half):
+                        acc_o[h, d] = acc_o[h, d] * alpha[h]
+                    T.copy(alpha, alpha_s)
+                    T.copy(acc_s, p_s)
+                    if it % 2 == 0:
+                        T.gemm(p_s, kv_l0, acc_o)
+                    else:
+                        T.gemm(p_s, kv_l1, acc_o)
+                    T.barrier_arrive(p_ready)
+                    if it % 2 == 0:
+                        T.barrier_arrive(free0)
+                    else:
+                        T.barrier_arrive(free1)
+                T.copy(sumexp, sum_s)
+                T.barrier_arrive(done)
+                for h, d in T.Parallel(hb, half):
+                    acc_o[h, d] = T.if_then_else(sumexp[h] > 0, acc_o[h, d] / sumexp[h], 0)
+                for h in T.Parallel(hb):
+                    sum_i[h] = T.if_then_else(sumexp[h] > 0, (T.log2(sumexp[h]) + m_i[h] * scale2) * LN2,
+                                              -T.infinity(acc))
+                T.copy(acc_o, q_l)
+                for h, d in T.Parallel(hb, half):
+                    if h0 + h < heads:
+                        out[t, h0 + h, d] = q_l[h, d]
+                for h in T.Parallel(hb):
+                    if h0 + h < heads:
+                        lse[t, h0 + h] = sum_i[h]
+            elif tx >= 128 and tx < 256:
+                T.set_max_nreg(168, 1)
+                T.fill(acc_o_r, 0)
+                for it in T.serial(pairs * 2):
+                    T.barrier_wait(p_ready, it & 1)
+                    for h, d in T.Parallel(hb, half):
+                        acc_o_r[h, d] = acc_o_r[h, d] * alpha_s[h]
+                    if it % 2 == 0:
+                        T.gemm(p_s, kv_r0, acc_o_r)
+                        T.barrier_arrive(free0)
+                    else:
+                        T.gemm(p_s, kv_r1, acc_o_r)
+                        T.barrier_arrive(free1)
+                    T.barrier_arrive(p_free)
+                T.barrier_wait(done, 0)
+                for h, d in T.Parallel(hb, half):
+                    acc_o_r[h, d] = T.if_then_else(sum_s[h] > 0, acc_o_r[h, d] / sum_s[h], 0)
+                T.copy(acc_o_r, q_r)
+                for h, d in T.Parallel(hb, half):
+                    if h0 + h < heads:
+                        out[t, h0 + h, half + d] = q_r[h, d]
             elif tx >= 256:
-                T.set_max_nreg(WS_REGS[2], 0)
+                T.set_max_nreg(80, 0)
                 for pair in T.serial(pairs):
-                    produce(kv, indices, t, 2 * pair, n_valid, stages[0], ok0, ready0, free0, pair & 1)
-                    produce(kv, indices, t, 2 * pair + 1, n_valid, stages[1], ok1, ready1, free1, pair & 1)
+                    produce(kv, indices, t, 2 * pair, n_valid, kv_l0, kv_r0, kt_s0, ok0, ready0, free0, pair & 1)
+                    produce(kv, indices, t, 2 * pair + 1, n_valid, kv_l1, kv_r1, kt_s1, ok1, ready1, free1, pair & 1)
 
     q_t_ = T.Tensor((t_count, heads, d_qk), dtype)
     kv_t = T.Tensor((s_count, row_w), T.uint8 if packed else dtype)
