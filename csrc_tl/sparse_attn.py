@@ -282,9 +282,10 @@ def build_attn_ws(geo: AttnGeometry, *, block_i: int = 64):
     other of two shared stages while two consumer warpgroups run the GEMMs and the softmax on the
     current one; the value width is split in halves between the two consumers.
 
-    Same arguments as ``build_attn(geo, split=False)``; needs 33..64 heads per block (``head_block``
-    64). Rows of invalid entries are not gathered: their stage keeps earlier finite rows (or the
-    zeros it starts with) and their scores are -inf, so they weigh exactly 0.
+    Same arguments as ``build_attn(geo, split=False)``; needs ``ws_supported(geo)``. The producer
+    reads all slot ids of a stage first and then issues every row load of the stage predicated, with
+    no branches, so they are in flight together; rows of invalid entries are written as zeros (never
+    dereferenced) and their scores are -inf, so they weigh exactly 0.
     """
     assert ws_supported(geo), "needs 64 heads per block, d_v a multiple of 128 and d_rope 0 or 64"
     assert geo.kv_kind in ("bf16", "packed"), f"unknown kv kind {geo.kv_kind}"
@@ -311,46 +312,56 @@ def build_attn_ws(geo: AttnGeometry, *, block_i: int = 64):
     def produce(kv, indices, t, blk, n_valid, dst_l, dst_r, dst_t, ok_s, ready, free, phase):
         T.barrier_wait(free, phase ^ 1)
         tx = T.get_thread_binding() - 2 * 128
-        for p in T.serial(passes):
+        lane = tx % WS_THREADS_PER_ROW
+        slot = T.alloc_local((passes,), T.int32)
+        # all slot ids of the stage first, then every row load (branch-free, predicated: invalid rows
+        # become zeros and are never dereferenced), so the loads of a stage are all in flight at once
+        for p in T.unroll(passes):
             j = p * WS_ROWS_PER_PASS + tx // WS_THREADS_PER_ROW
-            lane = tx % WS_THREADS_PER_ROW
             pos = blk * block_i + j
             raw = T.if_then_else(pos < n_valid, indices[t, T.min(pos, k_count - 1)], -1)
-            ok = (raw >= 0) & (raw < s_count)
-            ok_s[j] = T.if_then_else(ok, 1, 0)
-            if ok:
-                if packed:
-                    values = T.view(kv, (s_count, row_w), T.float8_e4m3fn)
-                    scales = T.view(kv, (s_count, row_w // 4), T.float32)
-                    tails = T.view(kv, (s_count, row_w // 2), dtype)
-                    for c in T.serial(chunks):
-                        col = (c * WS_THREADS_PER_ROW + lane) * vec
-                        sc = scales[raw, scale_word + col // QUANT_TILE]
-                        if col < half:
-                            for v in T.vectorized(vec):
-                                dst_l[j, col + v] = T.cast(T.cast(values[raw, col + v], acc) * sc, dtype)
-                        else:
-                            for v in T.vectorized(vec):
-                                dst_r[j, col - half + v] = T.cast(T.cast(values[raw, col + v], acc) * sc, dtype)
-                    if d_tail:
-                        for c in T.serial(tail_chunks):
-                            col = (c * WS_THREADS_PER_ROW + lane) * 8
-                            for v in T.vectorized(8):
-                                dst_t[j, col + v] = tails[raw, rope_half + col + v]
-                else:
-                    for c in T.serial(chunks):
-                        col = (c * WS_THREADS_PER_ROW + lane) * vec
-                        if col < half:
-                            for v in T.vectorized(vec):
-                                dst_l[j, col + v] = kv[raw, col + v]
-                        else:
-                            for v in T.vectorized(vec):
-                                dst_r[j, col - half + v] = kv[raw, col + v]
-                    if d_tail:
-                        for c in T.serial(tail_chunks):
-                            col = (c * WS_THREADS_PER_ROW + lane) * 8
-                            for v in T.vectorized(8):
-                                dst_t[j, col + v] = kv[raw, d_v + col + v]
+            slot[p] = T.if_then_else((raw >= 0) & (raw < s_count), raw, -1)
+            ok_s[j] = T.if_then_else(slot[p] >= 0, 1, 0)
+        for p in T.unroll(passes):
+            j = p * WS_ROWS_PER_PASS + tx // WS_THREADS_PER_ROW
+            ok = slot[p] >= 0
+            row = T.max(slot[p], 0)
+            if packed:
+                values = T.view(kv, (s_count, row_w), T.float8_e4m3fn)
+                scales = T.view(kv, (s_count, row_w // 4), T.float32)
+                tails = T.view(kv, (s_count, row_w // 2), dtype)
+                for c in T.unroll(chunks):
+                    col = (c * WS_THREADS_PER_ROW + lane) * vec
+                    sc = T.if_then_else(ok, scales[row, scale_word + col // QUANT_TILE], 0.0)
+                    if col < half:
+                        for v in T.vectorized(vec):
+                            dst_l[j, col + v] = T.cast(
+                                T.cast(T.if_then_else(ok, values[row, col + v], T.cast(0, T.float8_e4m3fn)), acc)
+                                * sc, dtype)
+                    else:
+                        for v in T.vectorized(vec):
+                            dst_r[j, col - half + v] = T.cast(
+                                T.cast(T.if_then_else(ok, values[row, col + v], T.cast(0, T.float8_e4m3fn)), acc)
+                                * sc, dtype)
+                if d_tail:
+                    for c in T.unroll(tail_chunks):
+                        col = (c * WS_THREADS_PER_ROW + lane) * 8
+                        for v in T.vectorized(8):
+                            dst_t[j, col + v] = T.if_then_else(ok, tails[row, rope_half + col + v], 0)
+            else:
+                for c in T.unroll(chunks):
+                    col = (c * WS_THREADS_PER_ROW + lane) * vec
+                    if col < half:
+                        for v in T.vectorized(vec):
+                            dst_l[j, col + v] = T.if_then_else(ok, kv[row, col + v], 0)
+                    else:
+                        for v in T.vectorized(vec):
+                            dst_r[j, col - half + v] = T.if_then_else(ok, kv[row, col + v], 0)
+                if d_tail:
+                    for c in T.unroll(tail_chunks):
+                        col = (c * WS_THREADS_PER_ROW + lane) * 8
+                        for v in T.vectorized(8):
+                            dst_t[j, col + v] = T.if_then_else(ok, kv[row, d_v + col + v], 0)
         # generic-proxy smem writes must be fenced before the consumers' wgmma (async proxy) reads them
         T.fence_proxy_async()
         T.barrier_arrive(ready)
@@ -407,17 +418,7 @@ def build_attn_ws(geo: AttnGeometry, *, block_i: int = 64):
             if d_tail:
                 for h, d in T.Parallel(hb, d_tail):
                     qt_s[h, d] = T.if_then_else(h0 + h < heads, q[t, T.min(h0 + h, heads - 1), d_v + d], 0)
-            # rows of invalid entries are never gathered: start every stage finite
-            for j, d in T.Parallel(block_i, half):
-                kv_l0[j, d] = 0
-                kv_r0[j, d] = 0
-                kv_l1[j, d] = 0
-                kv_r1[j, d] = 0
-            if d_tail:
-                for j, d in T.Parallel(block_i, d_tail):
-                    kt_s0[j, d] = 0
-                    kt_s1[j, d] = 0
-            T.fence_proxy_async()  # the zeros must be what wgmma sees in rows that are never gathered
+            T.fence_proxy_async()  # q was written by generic stores; wgmma reads it through the async proxy
             T.sync_threads()
 
             tx = T.get_thread_binding()
