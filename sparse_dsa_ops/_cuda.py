@@ -219,6 +219,9 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+DECODE_CTAS_PER_SM = 2  # split decode grids aim at this many blocks per SM (they are latency-bound)
+
+
 def plan_splits(tokens: int, heads: int, topk: int, sm_count: int) -> int:
     """Splits of the top-k range per (token, head block): 1 (prefill path) once the grid fills the GPU."""
     from csrc_tl.sparse_attn import head_block
@@ -226,7 +229,7 @@ def plan_splits(tokens: int, heads: int, topk: int, sm_count: int) -> int:
     blocks = tokens * math.ceil(heads / head_block(heads))
     if blocks >= sm_count:
         return 1
-    return max(1, min(topk // TOPK_MULTIPLE, math.ceil(sm_count / blocks)))
+    return max(1, min(topk // TOPK_MULTIPLE, math.ceil(DECODE_CTAS_PER_SM * sm_count / blocks)))
 
 
 def sparse_attn(q, kv, indices, sm_scale, d_v, topk_length=None):
