@@ -22,7 +22,7 @@ import torch
 from .layout import KCacheLayout
 from .ops import TOPK_MULTIPLE
 
-__all__ = ["IMPLS", "KernelKey", "programs", "lower_source", "warmup", "attn_keys", "cache_keys"]
+__all__ = ["IMPLS", "KernelKey", "lower_source", "warmup", "attn_keys", "cache_keys"]
 
 TARGETS = {"cuda": {"kind": "cuda", "arch": "sm_90a"}, "hip": {"kind": "hip", "mcpu": "gfx950"}}
 
@@ -90,10 +90,6 @@ def attn_keys(kv_kind: str, d_v: int, d_rope: int, heads: int, sm_scale: float, 
     if "decode" in paths:
         keys.append(KernelKey("combine", (d_v, heads)))
     return keys
-
-
-def programs(keys: Iterable[KernelKey]) -> dict[str, object]:
-    return {key.name: program(key) for key in keys}
 
 
 def lower_source(key: KernelKey, target: str) -> str:
