@@ -67,6 +67,38 @@ def head_block(heads: int) -> int:
     return block
 
 
+@T.macro
+def online_softmax(acc_s, acc_o, m_i, m_prev, alpha, sum_i, sumexp, scale2):
+    """Fold one block of raw scores ``acc_s [hb, block_i]`` into the running max ``m_i``, the running
+    sum ``sumexp`` and the output accumulator ``acc_o [hb, width]``; ``acc_s`` becomes the block's
+    unnormalized probabilities and ``alpha`` the factor the earlier blocks were rescaled by."""
+    hb, block_i = acc_s.shape
+    width = acc_o.shape[1]
+    T.copy(m_i, m_prev)
+    T.reduce_max(acc_s, m_i, dim=1, clear=False)
+    for h in T.Parallel(hb):
+        m_i[h] = T.max(m_i[h], m_prev[h])
+        alpha[h] = T.exp2((m_prev[h] - m_i[h]) * scale2)
+    for h, j in T.Parallel(hb, block_i):
+        acc_s[h, j] = T.exp2(acc_s[h, j] * scale2 - m_i[h] * scale2)
+    T.reduce_sum(acc_s, sum_i, dim=1)
+    for h in T.Parallel(hb):
+        sumexp[h] = sumexp[h] * alpha[h] + sum_i[h]
+    for h, d in T.Parallel(hb, width):
+        acc_o[h, d] = acc_o[h, d] * alpha[h]
+
+
+@T.macro
+def normalize(acc_o, lse, m_i, sumexp, scale2):
+    """Final output ``acc_o / sumexp`` and natural-log ``lse``; an empty row (sumexp 0) gives 0 and -inf."""
+    hb, width = acc_o.shape
+    for h, d in T.Parallel(hb, width):
+        acc_o[h, d] = T.if_then_else(sumexp[h] > 0, acc_o[h, d] / sumexp[h], 0)
+    for h in T.Parallel(hb):
+        lse[h] = T.if_then_else(sumexp[h] > 0, (T.log2(sumexp[h]) + m_i[h] * scale2) * LN2,
+                                -T.infinity(T.float32))
+
+
 def ws_supported(geo: AttnGeometry) -> bool:
     """Whether :func:`build_attn_ws` handles ``geo`` (it also needs an sm_90 CUDA target)."""
     return head_block(geo.heads) == MAX_HEAD_BLOCK and geo.d_v % 128 == 0 and geo.d_rope in (0, 64)
@@ -166,27 +198,12 @@ def build_attn(geo: AttnGeometry, *, split: bool, block_i: int = 64, threads: in
                 if d_tail:
                     T.gemm(qt_s, kt_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
 
-                T.copy(m_i, m_prev)
-                T.reduce_max(acc_s, m_i, dim=1, clear=False)
-                for h in T.Parallel(hb):
-                    m_i[h] = T.max(m_i[h], m_prev[h])
-                    alpha[h] = T.exp2((m_prev[h] - m_i[h]) * scale2)
-                for h, j in T.Parallel(hb, block_i):
-                    acc_s[h, j] = T.exp2(acc_s[h, j] * scale2 - m_i[h] * scale2)
-                T.reduce_sum(acc_s, sum_i, dim=1)
-                for h in T.Parallel(hb):
-                    sumexp[h] = sumexp[h] * alpha[h] + sum_i[h]
-                for h, d in T.Parallel(hb, d_v):
-                    acc_o[h, d] = acc_o[h, d] * alpha[h]
+                online_softmax(acc_s, acc_o, m_i, m_prev, alpha, sum_i, sumexp, scale2)
                 T.copy(acc_s, p_s)
                 T.gemm(p_s, kv_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
 
             # An empty row (sumexp 0) gives out 0 and lse -inf.
-            for h, d in T.Parallel(hb, d_v):
-                acc_o[h, d] = T.if_then_else(sumexp[h] > 0, acc_o[h, d] / sumexp[h], 0)
-            for h in T.Parallel(hb):
-                sum_i[h] = T.if_then_else(sumexp[h] > 0, (T.log2(sumexp[h]) + m_i[h] * scale2) * LN2,
-                                          -T.infinity(acc))
+            normalize(acc_o, sum_i, m_i, sumexp, scale2)
             if split:
                 for h, d in T.Parallel(hb, d_v):
                     if h0 + h < heads:
@@ -448,18 +465,7 @@ def build_attn_ws(geo: AttnGeometry, *, block_i: int = 64):
                             T.gemm(qt_s, kt_s1, acc_s, transpose_B=True)
                     if it > 0:
                         T.barrier_wait(p_free, (it - 1) & 1)  # warpgroup 1 is done with p_s and alpha_s
-                    T.copy(m_i, m_prev)
-                    T.reduce_max(acc_s, m_i, dim=1, clear=False)
-                    for h in T.Parallel(hb):
-                        m_i[h] = T.max(m_i[h], m_prev[h])
-                        alpha[h] = T.exp2((m_prev[h] - m_i[h]) * scale2)
-                    for h, j in T.Parallel(hb, block_i):
-                        acc_s[h, j] = T.exp2(acc_s[h, j] * scale2 - m_i[h] * scale2)
-                    T.reduce_sum(acc_s, sum_i, dim=1)
-                    for h in T.Parallel(hb):
-                        sumexp[h] = sumexp[h] * alpha[h] + sum_i[h]
-                    for h, d in T.Parallel(hb, half):
-                        acc_o[h, d] = acc_o[h, d] * alpha[h]
+                    online_softmax(acc_s, acc_o, m_i, m_prev, alpha, sum_i, sumexp, scale2)
                     T.copy(alpha, alpha_s)
                     T.copy(acc_s, p_s)
                     if it % 2 == 0:
@@ -473,11 +479,7 @@ def build_attn_ws(geo: AttnGeometry, *, block_i: int = 64):
                         T.barrier_arrive(free1)
                 T.copy(sumexp, sum_s)
                 T.barrier_arrive(done)
-                for h, d in T.Parallel(hb, half):
-                    acc_o[h, d] = T.if_then_else(sumexp[h] > 0, acc_o[h, d] / sumexp[h], 0)
-                for h in T.Parallel(hb):
-                    sum_i[h] = T.if_then_else(sumexp[h] > 0, (T.log2(sumexp[h]) + m_i[h] * scale2) * LN2,
-                                              -T.infinity(acc))
+                normalize(acc_o, sum_i, m_i, sumexp, scale2)
                 T.copy(acc_o, q_l)
                 for h, d in T.Parallel(hb, half):
                     if h0 + h < heads:
