@@ -86,12 +86,12 @@ def _cases(n_rows: int, tokens: int, topk: int, slots: int) -> list[Case]:
             ids[::7] = -1
             return ids
 
-        def attn_inputs(gen, kind, heads=heads, lay=lay, pool=pool):
-            q = torch.randn(tokens, heads, lay.d_qk, generator=gen).bfloat16()
+        def attn_inputs(gen, kind, t_count=tokens, heads=heads, lay=lay, pool=pool):
+            q = torch.randn(t_count, heads, lay.d_qk, generator=gen).bfloat16()
             kv = pool(gen)
             if kind == "bf16":
                 kv = reference.dequant_k_cache(kv)
-            idx = torch.randint(-1, slots, (tokens, topk), generator=gen, dtype=torch.int32)
+            idx = torch.randint(-1, slots, (t_count, topk), generator=gen, dtype=torch.int32)
             return q, kv, idx, lay.d_qk**-0.5, lay.d_nope, None
 
         def store_ref(k, r, cache, loc, rs):
@@ -117,6 +117,8 @@ def _cases(n_rows: int, tokens: int, topk: int, slots: int) -> list[Case]:
             Case("sparse_attn bf16", geo, lambda g, a=attn_inputs: a(g, "bf16"), ops.sparse_attn,
                  reference.sparse_attn, False),
             Case("sparse_attn packed", geo, lambda g, a=attn_inputs: a(g, "packed"), ops.sparse_attn,
+                 reference.sparse_attn, False),
+            Case("sparse_attn T2 packed", geo, lambda g, a=attn_inputs: a(g, "packed", 2), ops.sparse_attn,
                  reference.sparse_attn, False),
         ]
     return cases
@@ -148,8 +150,9 @@ def check(device: torch.device) -> int:
         print(f"{key:<10}{value}")
     print()
     on_cpu = device.type == "cpu"
+    # on a GPU, 256 tokens take the prefill path at both geometries and 2 tokens the split decode path
     sizes = dict(n_rows=4096, tokens=4, topk=2048, slots=16384) if on_cpu else dict(
-        n_rows=65536, tokens=64, topk=2048, slots=65536)
+        n_rows=65536, tokens=256, topk=2048, slots=65536)
     rows, failures = [], 0
     for case in _cases(**sizes):
         gen = torch.Generator().manual_seed(0)

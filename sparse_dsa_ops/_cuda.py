@@ -10,6 +10,7 @@ TileLang is imported only when a kernel is built, so importing the package stays
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import threading
@@ -84,7 +85,7 @@ def attn_keys(kv_kind: str, d_v: int, d_rope: int, heads: int, sm_scale: float, 
     from csrc_tl.sparse_attn import AttnGeometry, ws_supported
 
     geo = AttnGeometry(d_v, d_rope, heads, kv_kind, has_topk_length, float(sm_scale))
-    hopper = target == "cuda" if target else _target() == "cuda" and torch.cuda.get_device_capability() == (9, 0)
+    hopper = target == "cuda" if target else _is_hopper()
     ws = hopper and ws_supported(geo)
     keys = [KernelKey("attn_prefill_ws" if path == "prefill" and ws else f"attn_{path}", geo) for path in paths]
     if "decode" in paths:
@@ -111,6 +112,12 @@ _LOCK = threading.Lock()
 
 def _target() -> str:
     return "hip" if torch.version.hip else "cuda"
+
+
+@functools.cache
+def _is_hopper() -> bool:
+    """The current process runs CUDA on sm_90 (the warp-specialized kernels' target)."""
+    return _target() == "cuda" and torch.cuda.get_device_capability() == (9, 0)
 
 
 def _compile(key: KernelKey) -> Callable:
@@ -211,6 +218,7 @@ def gather_dequant_k_cache(cache, indices):
                    torch.bfloat16)
 
 
+@functools.cache
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
