@@ -49,6 +49,16 @@ class AttnGeometry:
     def d_qk(self) -> int:
         return self.d_v + self.d_rope
 
+    @property
+    def layout(self) -> KCacheLayout | None:
+        """The packed row of a ``packed`` pool (d_nope = d_v); None for bf16 rows."""
+        return KCacheLayout(self.d_v, self.d_rope) if self.kv_kind == "packed" else None
+
+    @property
+    def kv_row_width(self) -> int:
+        """Elements (bf16) or bytes (packed) in one pool row."""
+        return self.layout.row_bytes if self.kv_kind == "packed" else self.d_qk
+
     def __str__(self) -> str:
         tail = "_len" if self.has_topk_length else ""
         return f"{self.kv_kind}_{self.d_v}p{self.d_rope}_h{self.heads}{tail}"
@@ -110,17 +120,13 @@ def build_attn(geo: AttnGeometry, *, split: bool, block_i: int = 64, threads: in
     assert geo.d_rope % 16 == 0, "d_rope must be a multiple of 16 (GEMM K tile)"
     assert 1 <= geo.heads <= 128, "heads must be in 1..128"
     assert geo.kv_kind in ("bf16", "packed"), f"unknown kv kind {geo.kv_kind}"
-    d_v, d_tail, d_qk, heads = geo.d_v, geo.d_rope, geo.d_qk, geo.heads
+    d_v, d_tail, heads = geo.d_v, geo.d_rope, geo.heads
     hb = head_block(heads)
     groups = T.ceildiv(heads, hb)
     scale2 = geo.sm_scale * LOG2E  # scores in the exp2 domain
-    packed = geo.kv_kind == "packed"
+    packed, row_w = geo.kv_kind == "packed", geo.kv_row_width
     if packed:
-        layout = KCacheLayout(d_v, d_tail)
-        row_w = layout.row_bytes
-        scale_word, rope_half = layout.scale_offset // 4, layout.rope_offset // 2
-    else:
-        row_w = d_qk
+        scale_word, rope_half = geo.layout.scale_offset // 4, geo.layout.rope_offset // 2
     dtype, acc = T.bfloat16, T.float32
 
     t_count, s_count, k_count, n_split = T.dynamic("t"), T.dynamic("s"), T.dynamic("k"), T.dynamic("ns")
@@ -220,17 +226,21 @@ def build_attn(geo: AttnGeometry, *, split: bool, block_i: int = 64, threads: in
                     if h0 + h < heads:
                         lse[t, h0 + h] = sum_i[h]
 
-    q_t = T.Tensor((t_count, heads, d_qk), dtype)
-    kv_t = T.Tensor((s_count, row_w), T.uint8 if packed else dtype)
-    idx_t = T.Tensor((t_count, k_count), T.int32)
-    len_t = T.Tensor((t_count,), T.int32)
     if split:
         out_t = T.Tensor((t_count, n_split, heads, d_v), acc)
         lse_t = T.Tensor((t_count, n_split, heads), acc)
     else:
         out_t = T.Tensor((t_count, heads, d_v), dtype)
         lse_t = T.Tensor((t_count, heads), acc)
+    return _entry(geo, attend, t_count, s_count, k_count, out_t, lse_t)
 
+
+def _entry(geo: AttnGeometry, attend, t_count, s_count, k_count, out_t, lse_t):
+    """The program ``(q, kv, indices, [topk_length,] out, lse)`` around the ``attend`` macro."""
+    q_t = T.Tensor((t_count, geo.heads, geo.d_qk), T.bfloat16)
+    kv_t = T.Tensor((s_count, geo.kv_row_width), T.uint8 if geo.kv_kind == "packed" else T.bfloat16)
+    idx_t = T.Tensor((t_count, k_count), T.int32)
+    len_t = T.Tensor((t_count,), T.int32)
     if geo.has_topk_length:
 
         @T.prim_func
@@ -306,18 +316,14 @@ def build_attn_ws(geo: AttnGeometry, *, block_i: int = 64):
     """
     assert ws_supported(geo), "needs 64 heads per block, d_v a multiple of 128 and d_rope 0 or 64"
     assert geo.kv_kind in ("bf16", "packed"), f"unknown kv kind {geo.kv_kind}"
-    d_v, d_tail, d_qk, heads = geo.d_v, geo.d_rope, geo.d_qk, geo.heads
+    d_v, d_tail, heads = geo.d_v, geo.d_rope, geo.heads
     half = d_v // 2
     hb = MAX_HEAD_BLOCK
     groups = T.ceildiv(heads, hb)
     scale2 = geo.sm_scale * LOG2E
-    packed = geo.kv_kind == "packed"
+    packed, row_w = geo.kv_kind == "packed", geo.kv_row_width
     if packed:
-        layout = KCacheLayout(d_v, d_tail)
-        row_w = layout.row_bytes
-        scale_word, rope_half = layout.scale_offset // 4, layout.rope_offset // 2
-    else:
-        row_w = d_qk
+        scale_word, rope_half = geo.layout.scale_offset // 4, geo.layout.rope_offset // 2
     vec = 16 if packed else 8  # elements one producer thread moves at once (16 bytes read)
     chunks = d_v // (vec * WS_THREADS_PER_ROW)  # per thread and row
     tail_chunks = d_tail // (8 * WS_THREADS_PER_ROW)
@@ -514,22 +520,5 @@ def build_attn_ws(geo: AttnGeometry, *, block_i: int = 64):
                     produce(kv, indices, t, 2 * pair, n_valid, kv_l0, kv_r0, kt_s0, ok0, ready0, free0, pair & 1)
                     produce(kv, indices, t, 2 * pair + 1, n_valid, kv_l1, kv_r1, kt_s1, ok1, ready1, free1, pair & 1)
 
-    q_t_ = T.Tensor((t_count, heads, d_qk), dtype)
-    kv_t = T.Tensor((s_count, row_w), T.uint8 if packed else dtype)
-    idx_t = T.Tensor((t_count, k_count), T.int32)
-    out_t = T.Tensor((t_count, heads, d_v), dtype)
-    lse_t = T.Tensor((t_count, heads), acc)
-    if geo.has_topk_length:
-
-        @T.prim_func
-        def sparse_attn_ws(q: q_t_, kv: kv_t, indices: idx_t, topk_length: T.Tensor((t_count,), T.int32),
-                           out: out_t, lse: lse_t):
-            attend(q, kv, indices, topk_length, out, lse)
-
-        return sparse_attn_ws
-
-    @T.prim_func
-    def sparse_attn_ws(q: q_t_, kv: kv_t, indices: idx_t, out: out_t, lse: lse_t):
-        attend(q, kv, indices, None, out, lse)
-
-    return sparse_attn_ws
+    return _entry(geo, attend, t_count, s_count, k_count, T.Tensor((t_count, heads, d_v), dtype),
+                  T.Tensor((t_count, heads), acc))
