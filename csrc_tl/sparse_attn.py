@@ -10,12 +10,19 @@ Two paths share one builder:
   partial output and its natural-log LSE, and :func:`build_combine` merges them.
 
 Shapes (T tokens, H heads, K top-k entries, S pool rows, NS splits; all dynamic but H):
-``q [T, H, d_qk] bf16``, ``kv [S, d_qk] bf16`` or packed ``[S, B] uint8``, ``indices [T, K] int32``
+``q [T, H, d_qk]`` bf16 or float8_e4m3fn, ``kv [S, d_qk]`` bf16 or float8_e4m3fn (raw values) or packed
+``[S, B] uint8``, ``indices [T, K] int32``
 (K a multiple of ``block_i``), optional ``topk_length [T] int32``; prefill writes
 ``out [T, H, d_v] bf16`` and ``lse [T, H] float32``, decode writes ``part_out [T, NS, H, d_v]``
 and ``part_lse [T, NS, H]`` float32.
 
 With ``d_rope == 0`` the tail is compiled out: no tail buffers, copies or GEMMs exist.
+
+FP8 inputs (native float8_e4m3fn q or kv, and the values of a packed row) are widened to bf16 on
+their way into shared memory and the GEMMs run in bf16: every e4m3 value is exactly a bf16 value,
+so this adds no error. The FP8 tensor-core path is not used: it would need the probabilities in
+FP8 for the PV product (3 mantissa bits, about 6% per entry), and these kernels are bound by the
+row gather, not by the tensor cores.
 """
 
 from dataclasses import dataclass
@@ -41,9 +48,10 @@ class AttnGeometry:
     d_v: int  # value / NoPE width: a multiple of 64 (of 128 for packed kv)
     d_rope: int  # RoPE tail width, 0 for none
     heads: int  # 1..128
-    kv_kind: str  # "bf16" or "packed"
+    kv_kind: str  # "bf16", "fp8" (raw float8_e4m3fn values) or "packed" (uint8 FP8 rows)
     has_topk_length: bool
     sm_scale: float
+    q_fp8: bool = False  # q is float8_e4m3fn (allowed with fp8 or packed kv) instead of bf16
 
     @property
     def d_qk(self) -> int:
@@ -56,12 +64,23 @@ class AttnGeometry:
 
     @property
     def kv_row_width(self) -> int:
-        """Elements (bf16) or bytes (packed) in one pool row."""
+        """Elements (bf16, fp8) or bytes (packed) in one pool row."""
         return self.layout.row_bytes if self.kv_kind == "packed" else self.d_qk
 
+    @property
+    def kv_dtype(self):
+        return {"bf16": T.bfloat16, "fp8": T.float8_e4m3fn, "packed": T.uint8}[self.kv_kind]
+
     def __str__(self) -> str:
-        tail = "_len" if self.has_topk_length else ""
+        tail = ("_len" if self.has_topk_length else "") + ("_qfp8" if self.q_fp8 else "")
         return f"{self.kv_kind}_{self.d_v}p{self.d_rope}_h{self.heads}{tail}"
+
+    def check(self):
+        assert self.kv_kind in ("bf16", "fp8", "packed"), f"unknown kv kind {self.kv_kind}"
+        assert not (self.q_fp8 and self.kv_kind == "bf16"), "float8 q needs fp8 or packed kv"
+        assert 1 <= self.heads <= 128, "heads must be in 1..128"
+        assert self.d_v % 64 == 0, "d_v must be a multiple of 64 (GEMM N/K tiles)"
+        assert self.d_rope % 16 == 0, "d_rope must be a multiple of 16 (GEMM K tile)"
 
 
 # Default tile parameters, by path; (block_i, threads, num_stages).
@@ -116,10 +135,7 @@ def ws_supported(geo: AttnGeometry) -> bool:
 
 def build_attn(geo: AttnGeometry, *, split: bool, block_i: int = 64, threads: int = 256, num_stages: int = 2):
     """The sparse-attention program for ``geo``; see the module docstring for its arguments."""
-    assert geo.d_v % 64 == 0, "d_v must be a multiple of 64 (GEMM N/K tiles)"
-    assert geo.d_rope % 16 == 0, "d_rope must be a multiple of 16 (GEMM K tile)"
-    assert 1 <= geo.heads <= 128, "heads must be in 1..128"
-    assert geo.kv_kind in ("bf16", "packed"), f"unknown kv kind {geo.kv_kind}"
+    geo.check()
     d_v, d_tail, heads = geo.d_v, geo.d_rope, geo.heads
     hb = head_block(heads)
     groups = T.ceildiv(heads, hb)
@@ -168,10 +184,11 @@ def build_attn(geo: AttnGeometry, *, split: bool, block_i: int = 64, threads: in
             T.fill(sumexp, 0)
             T.fill(m_i, NEG_START)
             for h, d in T.Parallel(hb, d_v):
-                q_s[h, d] = T.if_then_else(h0 + h < heads, q[t, T.min(h0 + h, heads - 1), d], 0)
+                q_s[h, d] = T.if_then_else(h0 + h < heads, T.cast(q[t, T.min(h0 + h, heads - 1), d], dtype), 0)
             if d_tail:
                 for h, d in T.Parallel(hb, d_tail):
-                    qt_s[h, d] = T.if_then_else(h0 + h < heads, q[t, T.min(h0 + h, heads - 1), d_v + d], 0)
+                    qt_s[h, d] = T.if_then_else(h0 + h < heads, T.cast(q[t, T.min(h0 + h, heads - 1), d_v + d], dtype),
+                                                0)
 
             for blk in T.Pipelined(first, last, num_stages=num_stages):
                 for j in T.Parallel(block_i):
@@ -193,10 +210,10 @@ def build_attn(geo: AttnGeometry, *, split: bool, block_i: int = 64, threads: in
                             kt_s[j, d] = T.if_then_else(ok_s[j] != 0, tails[idx_s[j], rope_half + d], 0)
                 else:
                     for j, d in T.Parallel(block_i, d_v):
-                        kv_s[j, d] = T.if_then_else(ok_s[j] != 0, kv[idx_s[j], d], 0)
+                        kv_s[j, d] = T.if_then_else(ok_s[j] != 0, T.cast(kv[idx_s[j], d], dtype), 0)
                     if d_tail:
                         for j, d in T.Parallel(block_i, d_tail):
-                            kt_s[j, d] = T.if_then_else(ok_s[j] != 0, kv[idx_s[j], d_v + d], 0)
+                            kt_s[j, d] = T.if_then_else(ok_s[j] != 0, T.cast(kv[idx_s[j], d_v + d], dtype), 0)
 
                 for h, j in T.Parallel(hb, block_i):
                     acc_s[h, j] = T.if_then_else(ok_s[j] != 0, 0, -T.infinity(acc))
@@ -237,8 +254,8 @@ def build_attn(geo: AttnGeometry, *, split: bool, block_i: int = 64, threads: in
 
 def _entry(geo: AttnGeometry, attend, t_count, s_count, k_count, out_t, lse_t):
     """The program ``(q, kv, indices, [topk_length,] out, lse)`` around the ``attend`` macro."""
-    q_t = T.Tensor((t_count, geo.heads, geo.d_qk), T.bfloat16)
-    kv_t = T.Tensor((s_count, geo.kv_row_width), T.uint8 if geo.kv_kind == "packed" else T.bfloat16)
+    q_t = T.Tensor((t_count, geo.heads, geo.d_qk), T.float8_e4m3fn if geo.q_fp8 else T.bfloat16)
+    kv_t = T.Tensor((s_count, geo.kv_row_width), geo.kv_dtype)
     idx_t = T.Tensor((t_count, k_count), T.int32)
     len_t = T.Tensor((t_count,), T.int32)
     if geo.has_topk_length:
@@ -314,8 +331,8 @@ def build_attn_ws(geo: AttnGeometry, *, block_i: int = 64):
     no branches, so they are in flight together; rows of invalid entries are written as zeros (never
     dereferenced) and their scores are -inf, so they weigh exactly 0.
     """
+    geo.check()
     assert ws_supported(geo), "needs 64 heads per block, d_v a multiple of 128 and d_rope 0 or 64"
-    assert geo.kv_kind in ("bf16", "packed"), f"unknown kv kind {geo.kv_kind}"
     d_v, d_tail, heads = geo.d_v, geo.d_rope, geo.heads
     half = d_v // 2
     hb = MAX_HEAD_BLOCK
@@ -324,12 +341,17 @@ def build_attn_ws(geo: AttnGeometry, *, block_i: int = 64):
     packed, row_w = geo.kv_kind == "packed", geo.kv_row_width
     if packed:
         scale_word, rope_half = geo.layout.scale_offset // 4, geo.layout.rope_offset // 2
-    vec = 16 if packed else 8  # elements one producer thread moves at once (16 bytes read)
+    vec = 8 if geo.kv_kind == "bf16" else 16  # elements one producer thread moves at once (16 bytes read)
     chunks = d_v // (vec * WS_THREADS_PER_ROW)  # per thread and row
     tail_chunks = d_tail // (8 * WS_THREADS_PER_ROW)
     passes = block_i // WS_ROWS_PER_PASS
     dtype, acc = T.bfloat16, T.float32
     t_count, s_count, k_count = T.dynamic("t"), T.dynamic("s"), T.dynamic("k")
+
+    def widen(value, ok, scale):
+        """bf16 of an FP8 value (times its tile scale if any); 0 for an invalid row."""
+        x = T.cast(T.if_then_else(ok, value, T.cast(0, T.float8_e4m3fn)), acc)
+        return T.cast(x if scale is None else x * scale, dtype)
 
     @T.macro
     def produce(kv, indices, t, blk, n_valid, dst_l, dst_r, dst_t, ok_s, ready, free, phase):
@@ -337,6 +359,10 @@ def build_attn_ws(geo: AttnGeometry, *, block_i: int = 64):
         tx = T.get_thread_binding() - 2 * 128
         lane = tx % WS_THREADS_PER_ROW
         slot = T.alloc_local((passes,), T.int32)
+        if packed:
+            values = T.view(kv, (s_count, row_w), T.float8_e4m3fn)
+            scales = T.view(kv, (s_count, row_w // 4), T.float32)
+            tails = T.view(kv, (s_count, row_w // 2), dtype)
         # all slot ids of the stage first, then every row load (branch-free, predicated: invalid rows
         # become zeros and are never dereferenced), so the loads of a stage are all in flight at once
         for p in T.unroll(passes):
@@ -349,42 +375,43 @@ def build_attn_ws(geo: AttnGeometry, *, block_i: int = 64):
             j = p * WS_ROWS_PER_PASS + tx // WS_THREADS_PER_ROW
             ok = slot[p] >= 0
             row = T.max(slot[p], 0)
-            if packed:
-                values = T.view(kv, (s_count, row_w), T.float8_e4m3fn)
-                scales = T.view(kv, (s_count, row_w // 4), T.float32)
-                tails = T.view(kv, (s_count, row_w // 2), dtype)
+            if geo.kv_kind == "bf16":
+                # cp.async: no registers held per load, so every row of the stage is in flight at once
                 for c in T.unroll(chunks):
                     col = (c * WS_THREADS_PER_ROW + lane) * vec
-                    sc = T.if_then_else(ok, scales[row, scale_word + col // QUANT_TILE], 0.0)
                     if col < half:
-                        for v in T.vectorized(vec):
-                            dst_l[j, col + v] = T.cast(
-                                T.cast(T.if_then_else(ok, values[row, col + v], T.cast(0, T.float8_e4m3fn)), acc)
-                                * sc, dtype)
+                        T.ptx_cp_async(T.access_ptr(dst_l[j, col], "w", vec), T.access_ptr(kv[row, col], "r", vec), vec,
+                                       predicate=ok)
                     else:
-                        for v in T.vectorized(vec):
-                            dst_r[j, col - half + v] = T.cast(
-                                T.cast(T.if_then_else(ok, values[row, col + v], T.cast(0, T.float8_e4m3fn)), acc)
-                                * sc, dtype)
+                        T.ptx_cp_async(T.access_ptr(dst_r[j, col - half], "w", vec), T.access_ptr(kv[row, col], "r", vec),
+                                       vec, predicate=ok)
                 if d_tail:
                     for c in T.unroll(tail_chunks):
                         col = (c * WS_THREADS_PER_ROW + lane) * 8
-                        for v in T.vectorized(8):
-                            dst_t[j, col + v] = T.if_then_else(ok, tails[row, rope_half + col + v], 0)
+                        T.ptx_cp_async(T.access_ptr(dst_t[j, col], "w", 8), T.access_ptr(kv[row, d_v + col], "r", 8),
+                                       8, predicate=ok)
             else:
+                # FP8 values are widened in registers (times their tile scale for a packed row)
                 for c in T.unroll(chunks):
                     col = (c * WS_THREADS_PER_ROW + lane) * vec
+                    sc = T.if_then_else(ok, scales[row, scale_word + col // QUANT_TILE], 0.0) if packed else None
                     if col < half:
                         for v in T.vectorized(vec):
-                            dst_l[j, col + v] = T.if_then_else(ok, kv[row, col + v], 0)
+                            dst_l[j, col + v] = widen(values[row, col + v] if packed else kv[row, col + v], ok, sc)
                     else:
                         for v in T.vectorized(vec):
-                            dst_r[j, col - half + v] = T.if_then_else(ok, kv[row, col + v], 0)
+                            dst_r[j, col - half + v] = widen(values[row, col + v] if packed else kv[row, col + v], ok, sc)
                 if d_tail:
                     for c in T.unroll(tail_chunks):
                         col = (c * WS_THREADS_PER_ROW + lane) * 8
                         for v in T.vectorized(8):
-                            dst_t[j, col + v] = T.if_then_else(ok, kv[row, d_v + col + v], 0)
+                            if packed:
+                                dst_t[j, col + v] = T.if_then_else(ok, tails[row, rope_half + col + v], 0)
+                            else:
+                                dst_t[j, col + v] = widen(kv[row, d_v + col + v], ok, None)
+        if geo.kv_kind == "bf16":
+            T.ptx_commit_group()
+            T.ptx_wait_group(0)
         # generic-proxy smem writes must be fenced before the consumers' wgmma (async proxy) reads them
         T.fence_proxy_async()
         T.barrier_arrive(ready)
@@ -436,11 +463,12 @@ def build_attn_ws(geo: AttnGeometry, *, block_i: int = 64):
             pairs = T.ceildiv(T.ceildiv(n_valid, block_i), 2)
 
             for h, d in T.Parallel(hb, half):
-                q_l[h, d] = T.if_then_else(h0 + h < heads, q[t, T.min(h0 + h, heads - 1), d], 0)
-                q_r[h, d] = T.if_then_else(h0 + h < heads, q[t, T.min(h0 + h, heads - 1), half + d], 0)
+                q_l[h, d] = T.if_then_else(h0 + h < heads, T.cast(q[t, T.min(h0 + h, heads - 1), d], dtype), 0)
+                q_r[h, d] = T.if_then_else(h0 + h < heads, T.cast(q[t, T.min(h0 + h, heads - 1), half + d], dtype), 0)
             if d_tail:
                 for h, d in T.Parallel(hb, d_tail):
-                    qt_s[h, d] = T.if_then_else(h0 + h < heads, q[t, T.min(h0 + h, heads - 1), d_v + d], 0)
+                    qt_s[h, d] = T.if_then_else(h0 + h < heads, T.cast(q[t, T.min(h0 + h, heads - 1), d_v + d], dtype),
+                                                0)
             T.fence_proxy_async()  # q was written by generic stores; wgmma reads it through the async proxy
             T.sync_threads()
 

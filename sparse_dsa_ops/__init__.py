@@ -38,6 +38,7 @@ def warmup(
     d_rope: int,
     sm_scale: float,
     kv_kinds: tuple[str, ...] = ("bf16", "packed"),
+    fp8_q: tuple[bool, ...] = (False,),
     topk_length: tuple[bool, ...] = (False, True),
     cache_ops: bool = True,
     round_scale: tuple[bool, ...] = (False, True),
@@ -54,7 +55,9 @@ def warmup(
     keys = []
     for kind in kv_kinds:
         for has_len in topk_length:
-            keys += _cuda.attn_keys(kind, d_nope, d_rope, heads, sm_scale, has_len)
+            for q_fp8 in fp8_q:
+                if not (q_fp8 and kind == "bf16"):  # float8 q only goes with fp8 or packed kv
+                    keys += _cuda.attn_keys(kind, d_nope, d_rope, heads, sm_scale, has_len, q_fp8=q_fp8)
     if cache_ops:
         for slot in slot_dtypes:
             for rs in round_scale:

@@ -190,7 +190,7 @@ def source(args: argparse.Namespace) -> int:
     if args.op == "sparse_attn":
         sm_scale = args.sm_scale if args.sm_scale is not None else (args.d_nope + args.d_rope) ** -0.5
         keys = _cuda.attn_keys(args.kv, args.d_nope, args.d_rope, args.heads, sm_scale, args.topk_length,
-                               target=args.target)
+                               target=args.target, q_fp8=args.q == "fp8")
     else:
         keys = _cuda.cache_keys(args.op, KCacheLayout(args.d_nope, args.d_rope), args.round_scale, args.slot_dtype)
     for key in keys:
@@ -250,6 +250,8 @@ def _attn_case(name, kind, d_nope, d_rope, heads, tokens, slots, topk):
         if kind == "packed":
             kv = torch.ops.dsa.quant_k_cache(kv[:, :d_nope].contiguous(),
                                              kv[:, d_nope:].contiguous() if d_rope else None)
+        elif kind == "fp8":
+            q, kv = q.to(torch.float8_e4m3fn), kv.to(torch.float8_e4m3fn)
         idx = torch.randint(0, slots, (tokens, topk), device="cuda", dtype=torch.int32, generator=gen)
         return (q, kv, idx, d_qk**-0.5, d_nope)
 
@@ -291,6 +293,10 @@ def bench_cases() -> list[dict]:
         _attn_case("decode glm packed T1 S65536 H64 k2048", "packed", 256, 0, 64, 1, 65536, 2048),
         _attn_case("decode glm packed T17 S65536 H64 k2112", "packed", 256, 0, 64, 17, 65536, 2112),
         _attn_case("prefill glm packed T4096 S8192 H64 k2048", "packed", 256, 0, 64, 4096, 8192, 2048),
+        _attn_case("prefill deepseek fp8 T4096 S8192 H128 k2048", "fp8", 512, 64, 128, 4096, 8192, 2048),
+        _attn_case("prefill glm fp8 T4096 S8192 H64 k2048", "fp8", 256, 0, 64, 4096, 8192, 2048),
+        _attn_case("decode glm fp8 T1 S65536 H64 k2048", "fp8", 256, 0, 64, 1, 65536, 2048),
+        _attn_case("decode glm fp8 T17 S65536 H64 k2112", "fp8", 256, 0, 64, 17, 65536, 2112),
     ]
     for geo, (d_nope, d_rope, _) in GEOMETRIES.items():
         for op in CACHE_OPS:
@@ -341,7 +347,10 @@ def main(argv: list[str] | None = None) -> int:
     p_check.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p_src = sub.add_parser("source", help="print the generated kernel source of an op (no GPU needed)")
     p_src.add_argument("--op", required=True, choices=("sparse_attn", *CACHE_OPS))
-    p_src.add_argument("--kv", default="bf16", choices=("bf16", "packed"), help="kv kind of sparse_attn")
+    p_src.add_argument("--kv", default="bf16", choices=("bf16", "fp8", "packed"),
+                       help="kv of sparse_attn: bf16, fp8 (float8_e4m3fn values) or packed (uint8 FP8 rows)")
+    p_src.add_argument("--q", default="bf16", choices=("bf16", "fp8"), help="q dtype of sparse_attn (fp8 needs "
+                       "fp8 or packed kv)")
     p_src.add_argument("--d-nope", type=int, default=512, help="latent (= value) width")
     p_src.add_argument("--d-rope", type=int, default=64, help="RoPE tail width (0 for none)")
     p_src.add_argument("--heads", type=int, default=128)

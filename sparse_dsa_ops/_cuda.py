@@ -79,12 +79,15 @@ def cache_keys(op: str, layout: KCacheLayout, round_scale: bool = False, slot_dt
 
 
 def attn_keys(kv_kind: str, d_v: int, d_rope: int, heads: int, sm_scale: float, has_topk_length: bool,
-              paths: Iterable[str] = ("prefill", "decode"), target: str | None = None) -> list[KernelKey]:
+              paths: Iterable[str] = ("prefill", "decode"), target: str | None = None,
+              q_fp8: bool = False) -> list[KernelKey]:
     """The kernels ``sparse_attn`` runs for one geometry on ``target`` (default: this machine's):
-    a prefill kernel (warp-specialized on CUDA where the geometry allows), a decode kernel and its combine."""
+    a prefill kernel (warp-specialized on CUDA where the geometry allows), a decode kernel and its combine.
+    ``kv_kind`` is "bf16", "fp8" or "packed"; ``q_fp8`` picks the kernels for a float8_e4m3fn q."""
     from csrc_tl.sparse_attn import AttnGeometry, ws_supported
 
-    geo = AttnGeometry(d_v, d_rope, heads, kv_kind, has_topk_length, float(sm_scale))
+    geo = AttnGeometry(d_v, d_rope, heads, kv_kind, has_topk_length, float(sm_scale), q_fp8)
+    geo.check()
     hopper = target == "cuda" if target else _is_hopper()
     ws = hopper and ws_supported(geo)
     keys = [KernelKey("attn_prefill_ws" if path == "prefill" and ws else f"attn_{path}", geo) for path in paths]
@@ -239,11 +242,7 @@ def plan_splits(tokens: int, heads: int, topk: int, sm_count: int) -> int:
 def sparse_attn(q, kv, indices, sm_scale, d_v, topk_length=None):
     t_count, heads, d_qk = q.shape
     d_rope = d_qk - d_v
-    kind = {torch.bfloat16: "bf16", torch.uint8: "packed"}.get(kv.dtype)
-    if kind is None or q.dtype != torch.bfloat16:
-        raise NotImplementedError(
-            f"dsa.sparse_attn on {q.device.type}: kv {kv.dtype} with q {q.dtype} has no GPU kernel yet "
-            "(bf16 q over bf16 or packed FP8 kv does); the CPU backend runs every kind")
+    kind = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8", torch.uint8: "packed"}[kv.dtype]
     if heads > 128 or d_v % 64 or d_rope % 16:
         raise NotImplementedError(
             f"dsa.sparse_attn on {q.device.type}: no kernel for heads={heads}, d_v={d_v}, d_rope={d_rope} "
@@ -263,7 +262,7 @@ def sparse_attn(q, kv, indices, sm_scale, d_v, topk_length=None):
     lengths = [] if topk_length is None else [topk_length.contiguous()]
     splits = plan_splits(t_count, heads, topk, _sm_count(q.device))
     keys = attn_keys(kind, d_v, d_rope, heads, sm_scale, topk_length is not None,
-                     paths=("prefill",) if splits == 1 else ("decode",))
+                     paths=("prefill",) if splits == 1 else ("decode",), q_fp8=q.dtype == torch.float8_e4m3fn)
     if splits == 1:
         kernel(keys[0])(q, pool, idx, *lengths, out, lse)
         return out, lse

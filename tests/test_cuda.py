@@ -20,8 +20,18 @@ LAYOUTS = [KCacheLayout(512, 64), KCacheLayout(256, 0), KCacheLayout(512, 0), KC
 # (d_v, d_rope, heads) of the attention cases; sm_scale is d_qk ** -0.5 for each
 GLM, DEEPSEEK = (256, 0, 64), (512, 64, 128)
 ATTN_GEOS = [GLM, DEEPSEEK, (512, 64, 16), (256, 0, 1), (256, 0, 8), (256, 0, 16), (256, 0, 128)]
-ATTN_KINDS = {geo: ("bf16", "packed") if geo in (GLM, DEEPSEEK, (512, 64, 16)) else ("bf16",) for geo in ATTN_GEOS}
+# kv kinds: "fp8" is native float8_e4m3fn kv with float8 q, "fp8-kv" the same kv with bf16 q, "packed-q8"
+# a packed pool with float8 q
+ALL_KINDS = ("bf16", "packed", "fp8", "fp8-kv", "packed-q8")
+ATTN_KINDS = {geo: ALL_KINDS if geo in (GLM, DEEPSEEK) else ("bf16", "packed", "fp8") if geo == (512, 64, 16)
+              else ("bf16", "fp8") for geo in ATTN_GEOS}
 ATTN_CASES = [(geo, kind) for geo in ATTN_GEOS for kind in ATTN_KINDS[geo]]
+
+
+def kernel_kind(kind):
+    """(kv kind, q is float8) of a test kind."""
+    return {"bf16": ("bf16", False), "packed": ("packed", False), "fp8": ("fp8", True), "fp8-kv": ("fp8", False),
+            "packed-q8": ("packed", True)}[kind]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -31,9 +41,11 @@ def compiled():
     keys = []
     for d_v, d_rope, heads in ATTN_GEOS:
         for kind in ATTN_KINDS[d_v, d_rope, heads]:
-            keys += dsa._cuda.attn_keys(kind, d_v, d_rope, heads, (d_v + d_rope) ** -0.5, False)
-    for (d_v, d_rope, heads), kind in [(DEEPSEEK, "bf16"), (DEEPSEEK, "packed"), (GLM, "packed")]:
-        keys += dsa._cuda.attn_keys(kind, d_v, d_rope, heads, (d_v + d_rope) ** -0.5, True)
+            kv_kind, q_fp8 = kernel_kind(kind)
+            keys += dsa._cuda.attn_keys(kv_kind, d_v, d_rope, heads, (d_v + d_rope) ** -0.5, False, q_fp8=q_fp8)
+    for (d_v, d_rope, heads), kind in [(DEEPSEEK, "bf16"), (DEEPSEEK, "packed"), (DEEPSEEK, "fp8"), (GLM, "packed")]:
+        kv_kind, q_fp8 = kernel_kind(kind)
+        keys += dsa._cuda.attn_keys(kv_kind, d_v, d_rope, heads, (d_v + d_rope) ** -0.5, True, q_fp8=q_fp8)
     for lay in LAYOUTS:
         for rs in (False, True):
             keys += dsa._cuda.cache_keys("quant_k_cache", lay, rs)
@@ -179,10 +191,14 @@ def attn_inputs(geo, kind, t_count, topk, num_slots=4096, seed=0, empty_rows=(1,
     idx = hostile_indices(g, t_count, topk, num_slots, empty_rows=[e for e in empty_rows if e < t_count])
     if pad_from is not None:
         idx[:, pad_from:] = -1
-    q = torch.randn(t_count, heads, d_qk, generator=g).bfloat16()
+    kv_kind, q_fp8 = kernel_kind(kind)
+    q = torch.randn(t_count, heads, d_qk, generator=g)
+    q = q.to(torch.float8_e4m3fn) if q_fp8 else q.bfloat16()
     nan_rows = unselected_slots(idx, num_slots)
-    if kind == "bf16":
-        kv = torch.randn(num_slots, d_qk, generator=g).bfloat16()
+    if kv_kind in ("bf16", "fp8"):
+        # native FP8 values spread over the e4m3 range, as a quantized model's would be
+        kv = torch.randn(num_slots, d_qk, generator=g) * (16.0 if kv_kind == "fp8" else 1.0)
+        kv = kv.to(torch.float8_e4m3fn if kv_kind == "fp8" else torch.bfloat16)
         kv[nan_rows] = float("nan")
     else:
         k = torch.randn(num_slots, d_v, generator=g).bfloat16()
@@ -215,7 +231,7 @@ def run_both(inputs, topk_length=None):
     return got, want
 
 
-@pytest.mark.parametrize("kind", ["bf16", "packed"])
+@pytest.mark.parametrize("kind", ["bf16", "packed", "fp8"])
 @pytest.mark.parametrize("topk, pad_from", [(2048, None), (2112, None), (2112, 2051)], ids=["k2048", "k2112",
                                                                                              "2051-valid"])
 @pytest.mark.parametrize("t_count", [1, 8, 17])
@@ -231,7 +247,7 @@ def test_geometries(geo, kind, t_count):
     check_attn(got, want)
 
 
-@pytest.mark.parametrize("kind", ["bf16", "packed"])
+@pytest.mark.parametrize("kind", ["bf16", "packed", "fp8"])
 @pytest.mark.parametrize("t_count", [5, 300], ids=["decode", "prefill"])
 def test_topk_length(kind, t_count):
     inputs = attn_inputs(DEEPSEEK, kind, t_count, 512, seed=7)
@@ -241,8 +257,9 @@ def test_topk_length(kind, t_count):
     check_attn(got, want)
 
 
-def test_repeatable_bit_for_bit():
-    q, kv, idx, s, d_v = [x.cuda() if isinstance(x, torch.Tensor) else x for x in attn_inputs(DEEPSEEK, "bf16", 9,
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+def test_repeatable_bit_for_bit(kind):
+    q, kv, idx, s, d_v = [x.cuda() if isinstance(x, torch.Tensor) else x for x in attn_inputs(DEEPSEEK, kind, 9,
                                                                                               2048)]
     first = dsa.sparse_attn(q, kv, idx, s, d_v)
     for _ in range(3):

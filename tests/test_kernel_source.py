@@ -24,8 +24,10 @@ def cache_key(op, width, slot="int32"):
 
 
 def attn_keys(name, kind, has_len=False, target="cuda"):
+    """Keys of a geometry; kind "fp8" is native float8 kv with float8 q."""
     d_v, d_rope, heads = ATTN[name]
-    return _cuda.attn_keys(kind, d_v, d_rope, heads, (d_v + d_rope) ** -0.5, has_len, target=target)
+    return _cuda.attn_keys(kind, d_v, d_rope, heads, (d_v + d_rope) ** -0.5, has_len, target=target,
+                           q_fp8=kind == "fp8")
 
 
 def kernel_body(src: str) -> str:
@@ -47,7 +49,7 @@ def test_cache_sources(op, width, target):
 
 
 @pytest.mark.parametrize("target", ["cuda", "hip"])
-@pytest.mark.parametrize("kind", ["bf16", "packed"])
+@pytest.mark.parametrize("kind", ["bf16", "packed", "fp8"])
 @pytest.mark.parametrize("name", ATTN)
 def test_attention_sources(name, kind, target):
     keys = attn_keys(name, kind, target=target)
@@ -62,6 +64,12 @@ def test_attention_sources(name, kind, target):
         if target == "cuda":
             gemms = len(re.findall(r"wgmma_ss<|gemm_ss<|mma_sync", body))
             assert gemms >= 2
+        if kind == "fp8":
+            # q and kv arrive as float8 and are widened on the way into shared memory
+            assert re.search(r"fp8_e4_t\* __restrict__ q\b", body) and "fp8_e4_t* __restrict__ kv" in body
+    if ws:
+        # bf16 rows are gathered with cp.async (zero-filled for invalid entries); FP8 rows go through registers
+        assert ("cp_async_gs_conditional" in kernel_body(source(keys[0], target))) == (kind == "bf16")
     assert "combine_kernel" in source(keys[2], target)
 
 
@@ -86,7 +94,8 @@ NVCC = shutil.which("nvcc")
 @pytest.mark.parametrize(
     "key",
     [cache_key("store_k_cache", "656", "int64"), cache_key("gather_dequant_k_cache", "264"),
-     *attn_keys("glm-256+0-h64", "bf16"), *attn_keys("deepseek-512+64-h128", "packed", has_len=True)[:2]],
+     *attn_keys("glm-256+0-h64", "bf16"), *attn_keys("deepseek-512+64-h128", "packed", has_len=True)[:2],
+     *attn_keys("deepseek-512+64-h128", "fp8")[:2]],
     ids=lambda k: k.name,
 )
 def test_cuda_sources_compile_for_sm90a(key):
