@@ -383,8 +383,8 @@ def build_attn_ws(geo: AttnGeometry, *, block_i: int = 64):
                         T.ptx_cp_async(T.access_ptr(dst_l[j, col], "w", vec), T.access_ptr(kv[row, col], "r", vec), vec,
                                        predicate=ok)
                     else:
-                        T.ptx_cp_async(T.access_ptr(dst_r[j, col - half], "w", vec), T.access_ptr(kv[row, col], "r", vec),
-                                       vec, predicate=ok)
+                        T.ptx_cp_async(T.access_ptr(dst_r[j, col - half], "w", vec),
+                                       T.access_ptr(kv[row, col], "r", vec), vec, predicate=ok)
                 if d_tail:
                     for c in T.unroll(tail_chunks):
                         col = (c * WS_THREADS_PER_ROW + lane) * 8
@@ -400,7 +400,8 @@ def build_attn_ws(geo: AttnGeometry, *, block_i: int = 64):
                             dst_l[j, col + v] = widen(values[row, col + v] if packed else kv[row, col + v], ok, sc)
                     else:
                         for v in T.vectorized(vec):
-                            dst_r[j, col - half + v] = widen(values[row, col + v] if packed else kv[row, col + v], ok, sc)
+                            dst_r[j, col - half + v] = widen(values[row, col + v] if packed else kv[row, col + v], ok,
+                                                             sc)
                 if d_tail:
                     for c in T.unroll(tail_chunks):
                         col = (c * WS_THREADS_PER_ROW + lane) * 8
