@@ -320,16 +320,19 @@ WS_ROWS_PER_PASS = 16  # rows the producer warpgroup fills at once (8 threads pe
 WS_THREADS_PER_ROW = 8
 
 
-def build_attn_ws(geo: AttnGeometry, *, block_i: int = 64):
+def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int = 64):
     """Warp-specialized prefill kernel for Hopper (sm_90, CUDA only: mbarriers and setmaxnreg): a
     producer warpgroup gathers (and for a packed pool dequantizes) the next top-k block into the
     other of two shared stages while two consumer warpgroups run the GEMMs and the softmax on the
     current one; the value width is split in halves between the two consumers.
 
-    Same arguments as ``build_attn(geo, split=False)``; needs ``ws_supported(geo)``. The producer
-    reads all slot ids of a stage first and then issues every row load of the stage predicated, with
-    no branches, so they are in flight together; rows of invalid entries are written as zeros (never
-    dereferenced) and their scores are -inf, so they weigh exactly 0.
+    Same arguments as ``build_attn(geo, split=...)``; needs ``ws_supported(geo)``. With ``split`` it is
+    the decode kernel: the grid's second axis splits the top-k blocks and each split writes its
+    normalized float32 partial and LSE for :func:`build_combine`. The producer reads all slot ids of a
+    stage first and then issues every row load of the stage predicated, with no branches, so they are
+    in flight together (bf16 rows with cp.async, FP8 rows through registers, widened to bf16); rows
+    of invalid entries are written as zeros (never dereferenced) and their scores are -inf, so they
+    weigh exactly 0.
     """
     geo.check()
     assert ws_supported(geo), "needs 64 heads per block, d_v a multiple of 128 and d_rope 0 or 64"
@@ -346,7 +349,7 @@ def build_attn_ws(geo: AttnGeometry, *, block_i: int = 64):
     tail_chunks = d_tail // (8 * WS_THREADS_PER_ROW)
     passes = block_i // WS_ROWS_PER_PASS
     dtype, acc = T.bfloat16, T.float32
-    t_count, s_count, k_count = T.dynamic("t"), T.dynamic("s"), T.dynamic("k")
+    t_count, s_count, k_count, n_split = T.dynamic("t"), T.dynamic("s"), T.dynamic("k"), T.dynamic("ns")
 
     def widen(value, ok, scale):
         """bf16 of an FP8 value (times its tile scale if any); 0 for an invalid row."""
@@ -354,7 +357,7 @@ def build_attn_ws(geo: AttnGeometry, *, block_i: int = 64):
         return T.cast(x if scale is None else x * scale, dtype)
 
     @T.macro
-    def produce(kv, indices, t, blk, n_valid, dst_l, dst_r, dst_t, ok_s, ready, free, phase):
+    def produce(kv, indices, t, blk, stop, dst_l, dst_r, dst_t, ok_s, ready, free, phase):
         T.barrier_wait(free, phase ^ 1)
         tx = T.get_thread_binding() - 2 * 128
         lane = tx % WS_THREADS_PER_ROW
@@ -368,7 +371,7 @@ def build_attn_ws(geo: AttnGeometry, *, block_i: int = 64):
         for p in T.unroll(passes):
             j = p * WS_ROWS_PER_PASS + tx // WS_THREADS_PER_ROW
             pos = blk * block_i + j
-            raw = T.if_then_else(pos < n_valid, indices[t, T.min(pos, k_count - 1)], -1)
+            raw = T.if_then_else(pos < stop, indices[t, T.min(pos, k_count - 1)], -1)
             slot[p] = T.if_then_else((raw >= 0) & (raw < s_count), raw, -1)
             ok_s[j] = T.if_then_else(slot[p] >= 0, 1, 0)
         for p in T.unroll(passes):
@@ -419,7 +422,7 @@ def build_attn_ws(geo: AttnGeometry, *, block_i: int = 64):
 
     @T.macro
     def attend(q, kv, indices, topk_length, out, lse):
-        with T.Kernel(t_count * groups, threads=WS_THREADS) as bx:
+        with T.Kernel(t_count * groups, n_split if split else 1, threads=WS_THREADS) as (bx, by):
             q_l = T.alloc_shared((hb, half), dtype)
             q_r = T.alloc_shared((hb, half), dtype)
             kv_l0 = T.alloc_shared((block_i, half), dtype)
@@ -461,7 +464,14 @@ def build_attn_ws(geo: AttnGeometry, *, block_i: int = 64):
                 n_valid = T.max(T.min(topk_length[t], k_count), 0)
             else:
                 n_valid = k_count
-            pairs = T.ceildiv(T.ceildiv(n_valid, block_i), 2)
+            # this block's top-k blocks [first, first + 2 * pairs); entries at or past `stop` are invalid
+            if split:
+                per_split = T.ceildiv(k_count // block_i, n_split)
+                first = by * per_split
+                stop = T.min(n_valid, (first + per_split) * block_i)
+            else:
+                first, stop = 0, n_valid
+            pairs = T.ceildiv(T.max(T.ceildiv(stop, block_i) - first, 0), 2)
 
             for h, d in T.Parallel(hb, half):
                 q_l[h, d] = T.if_then_else(h0 + h < heads, T.cast(q[t, T.min(h0 + h, heads - 1), d], dtype), 0)
@@ -515,13 +525,21 @@ def build_attn_ws(geo: AttnGeometry, *, block_i: int = 64):
                 T.copy(sumexp, sum_s)
                 T.barrier_arrive(done)
                 normalize(acc_o, sum_i, m_i, sumexp, scale2)
-                T.copy(acc_o, q_l)
-                for h, d in T.Parallel(hb, half):
-                    if h0 + h < heads:
-                        out[t, h0 + h, d] = q_l[h, d]
-                for h in T.Parallel(hb):
-                    if h0 + h < heads:
-                        lse[t, h0 + h] = sum_i[h]
+                if split:
+                    for h, d in T.Parallel(hb, half):
+                        if h0 + h < heads:
+                            out[t, by, h0 + h, d] = acc_o[h, d]
+                    for h in T.Parallel(hb):
+                        if h0 + h < heads:
+                            lse[t, by, h0 + h] = sum_i[h]
+                else:
+                    T.copy(acc_o, q_l)
+                    for h, d in T.Parallel(hb, half):
+                        if h0 + h < heads:
+                            out[t, h0 + h, d] = q_l[h, d]
+                    for h in T.Parallel(hb):
+                        if h0 + h < heads:
+                            lse[t, h0 + h] = sum_i[h]
             elif tx >= 128 and tx < 256:
                 T.set_max_nreg(168, 1)
                 T.fill(acc_o_r, 0)
@@ -539,15 +557,24 @@ def build_attn_ws(geo: AttnGeometry, *, block_i: int = 64):
                 T.barrier_wait(done, 0)
                 for h, d in T.Parallel(hb, half):
                     acc_o_r[h, d] = T.if_then_else(sum_s[h] > 0, acc_o_r[h, d] / sum_s[h], 0)
-                T.copy(acc_o_r, q_r)
-                for h, d in T.Parallel(hb, half):
-                    if h0 + h < heads:
-                        out[t, h0 + h, half + d] = q_r[h, d]
+                if split:
+                    for h, d in T.Parallel(hb, half):
+                        if h0 + h < heads:
+                            out[t, by, h0 + h, half + d] = acc_o_r[h, d]
+                else:
+                    T.copy(acc_o_r, q_r)
+                    for h, d in T.Parallel(hb, half):
+                        if h0 + h < heads:
+                            out[t, h0 + h, half + d] = q_r[h, d]
             elif tx >= 256:
                 T.set_max_nreg(80, 0)
                 for pair in T.serial(pairs):
-                    produce(kv, indices, t, 2 * pair, n_valid, kv_l0, kv_r0, kt_s0, ok0, ready0, free0, pair & 1)
-                    produce(kv, indices, t, 2 * pair + 1, n_valid, kv_l1, kv_r1, kt_s1, ok1, ready1, free1, pair & 1)
+                    produce(kv, indices, t, first + 2 * pair, stop, kv_l0, kv_r0, kt_s0, ok0, ready0, free0, pair & 1)
+                    produce(kv, indices, t, first + 2 * pair + 1, stop, kv_l1, kv_r1, kt_s1, ok1, ready1, free1,
+                            pair & 1)
 
+    if split:
+        return _entry(geo, attend, t_count, s_count, k_count, T.Tensor((t_count, n_split, heads, d_v), acc),
+                      T.Tensor((t_count, n_split, heads), acc))
     return _entry(geo, attend, t_count, s_count, k_count, T.Tensor((t_count, heads, d_v), dtype),
                   T.Tensor((t_count, heads), acc))

@@ -255,8 +255,12 @@ def _attn_case(name, kind, d_nope, d_rope, heads, tokens, slots, topk):
         idx = torch.randint(0, slots, (tokens, topk), device="cuda", dtype=torch.int32, generator=gen)
         return (q, kv, idx, d_qk**-0.5, d_nope)
 
+    from . import _cuda
+
     flops = 2 * tokens * heads * topk * (2 * d_nope + d_rope)
-    return dict(name=name, op="sparse_attn", make=make, flops=flops, bytes=None)
+    keys = _cuda.attn_keys(kind, d_nope, d_rope, heads, (d_nope + d_rope) ** -0.5, False,
+                           q_fp8=kind == "fp8")
+    return dict(name=name, op="sparse_attn", make=make, flops=flops, bytes=None, keys=keys)
 
 
 def _cache_case(name, op, d_nope, d_rope, rows):
@@ -279,7 +283,10 @@ def _cache_case(name, op, d_nope, d_rope, rows):
     in_bytes = {"quant_k_cache": 2 * lay.d_qk, "store_k_cache": 2 * lay.d_qk + 4, "dequant_k_cache": lay.row_bytes,
                 "gather_k_cache": lay.row_bytes + 4, "gather_dequant_k_cache": lay.row_bytes + 4}[op]
     out_bytes = 2 * lay.d_qk if "dequant" in op else lay.row_bytes
-    return dict(name=name, op=op, make=make, flops=None, bytes=rows * (in_bytes + out_bytes))
+    from . import _cuda
+
+    keys = _cuda.cache_keys(op, lay, slot_dtype="int32")
+    return dict(name=name, op=op, make=make, flops=None, bytes=rows * (in_bytes + out_bytes), keys=keys)
 
 
 def bench_cases() -> list[dict]:
@@ -314,10 +321,13 @@ def bench(args: argparse.Namespace) -> int:
     ceil = _ceilings()
     print(f"ceilings  bf16 matmul 8192^3: {ceil['matmul_tflops']:.0f} TFLOPS; device copy 1 GiB: "
           f"{ceil['copy_gbps']:.0f} GB/s (read + write)\n")
+    from . import _cuda
+
+    wanted = [f for f in (args.filter or "").split(",") if f]
+    cases = [c for c in bench_cases() if not wanted or any(f in c["name"] for f in wanted)]
+    _cuda.warmup([k for c in cases for k in c["keys"]], workers=16)
     rows, records = [], []
-    for case in bench_cases():
-        if args.filter and args.filter not in case["name"]:
-            continue
+    for case in cases:
         inputs = case["make"]()
         op = getattr(torch.ops.dsa, case["op"])
         try:
@@ -361,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     p_src.add_argument("--target", default="cuda", choices=("cuda", "hip"), help="cuda = sm_90a, hip = gfx950")
     p_bench = sub.add_parser("bench", help="GPU timings with CUDA-graph replay")
     p_bench.add_argument("--json", default=None, help="also write the rows to this file")
-    p_bench.add_argument("--filter", default=None, help="only cases whose name contains this")
+    p_bench.add_argument("--filter", default=None, help="only cases whose name contains one of these "
+                         "comma-separated strings")
     args = parser.parse_args(argv)
     if args.command in (None, "check"):
         name = getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")

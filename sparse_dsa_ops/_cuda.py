@@ -32,7 +32,7 @@ TARGETS = {"cuda": {"kind": "cuda", "arch": "sm_90a"}, "hip": {"kind": "hip", "m
 class KernelKey:
     """One compiled kernel: ``family`` names the builder, ``spec`` is its frozen geometry record."""
 
-    family: str  # quant | store | dequant | gather_dequant | gather | attn_prefill(_ws) | attn_decode | combine
+    family: str  # quant | store | dequant | gather_dequant | gather | attn_prefill(_ws) | attn_decode(_ws) | combine
     spec: object  # KCacheLayout, csrc_tl.sparse_attn.AttnGeometry or (d_v, heads)
     flags: tuple = ()  # family-specific: round_scale, slot dtype
 
@@ -57,8 +57,8 @@ def program(key: KernelKey):
         return k_cache.build_dequant(spec, gather=True, slot_dtype=flags[0])
     if fam == "gather":
         return k_cache.build_gather_bytes(spec, slot_dtype=flags[0])
-    if fam == "attn_prefill_ws":
-        return sparse_attn.build_attn_ws(spec)
+    if fam in ("attn_prefill_ws", "attn_decode_ws"):
+        return sparse_attn.build_attn_ws(spec, split=fam == "attn_decode_ws")
     if fam in ("attn_prefill", "attn_decode"):
         path = fam.removeprefix("attn_")
         return sparse_attn.build_attn(spec, split=path == "decode", **sparse_attn.DEFAULT_TILES[path])
@@ -82,7 +82,8 @@ def attn_keys(kv_kind: str, d_v: int, d_rope: int, heads: int, sm_scale: float, 
               paths: Iterable[str] = ("prefill", "decode"), target: str | None = None,
               q_fp8: bool = False) -> list[KernelKey]:
     """The kernels ``sparse_attn`` runs for one geometry on ``target`` (default: this machine's):
-    a prefill kernel (warp-specialized on CUDA where the geometry allows), a decode kernel and its combine.
+    a prefill kernel and a split decode kernel (both warp-specialized on sm_90 CUDA where the geometry
+    allows) and the decode's combine.
     ``kv_kind`` is "bf16", "fp8" or "packed"; ``q_fp8`` picks the kernels for a float8_e4m3fn q."""
     from csrc_tl.sparse_attn import AttnGeometry, ws_supported
 
@@ -90,7 +91,7 @@ def attn_keys(kv_kind: str, d_v: int, d_rope: int, heads: int, sm_scale: float, 
     geo.check()
     hopper = target == "cuda" if target else _is_hopper()
     ws = hopper and ws_supported(geo)
-    keys = [KernelKey("attn_prefill_ws" if path == "prefill" and ws else f"attn_{path}", geo) for path in paths]
+    keys = [KernelKey(f"attn_{path}_ws" if ws else f"attn_{path}", geo) for path in paths]
     if "decode" in paths:
         keys.append(KernelKey("combine", (d_v, heads)))
     return keys

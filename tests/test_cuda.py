@@ -199,7 +199,8 @@ def attn_inputs(geo, kind, t_count, topk, num_slots=4096, seed=0, empty_rows=(1,
         # native FP8 values spread over the e4m3 range, as a quantized model's would be
         kv = torch.randn(num_slots, d_qk, generator=g) * (16.0 if kv_kind == "fp8" else 1.0)
         kv = kv.to(torch.float8_e4m3fn if kv_kind == "fp8" else torch.bfloat16)
-        kv[nan_rows] = float("nan")
+        nan = (torch.uint8, 0x7F) if kv_kind == "fp8" else (torch.int16, 0x7FC0)  # bits of a NaN
+        kv.view(nan[0])[nan_rows] = nan[1]
     else:
         k = torch.randn(num_slots, d_v, generator=g).bfloat16()
         r = torch.randn(num_slots, d_rope, generator=g).bfloat16() if d_rope else None

@@ -55,7 +55,8 @@ def test_attention_sources(name, kind, target):
     keys = attn_keys(name, kind, target=target)
     # the warp-specialized prefill kernel is CUDA-only and needs 64 heads per block
     ws = target == "cuda" and ATTN[name][2] >= 33
-    assert [k.family for k in keys] == ["attn_prefill_ws" if ws else "attn_prefill", "attn_decode", "combine"]
+    assert [k.family for k in keys] == (["attn_prefill_ws", "attn_decode_ws", "combine"] if ws else
+                                        ["attn_prefill", "attn_decode", "combine"])
     for key in keys[:2]:
         body = kernel_body(source(key, target))
         has_tail = ATTN[name][1] > 0
