@@ -128,8 +128,15 @@ def normalize(acc_o, lse, m_i, sumexp, scale2):
                                 -T.infinity(T.float32))
 
 
-def ws_supported(geo: AttnGeometry) -> bool:
-    """Whether :func:`build_attn_ws` handles ``geo`` (it also needs an sm_90 CUDA target)."""
+def ws_supported(geo: AttnGeometry, split: bool = False) -> bool:
+    """Whether :func:`build_attn_ws` handles ``geo`` (it also needs an sm_90 CUDA target).
+
+    The split (decode) variant of a bf16 pool with a RoPE tail is left to the portable kernel:
+    TileLang 0.1.15's sync planner rejects it ("cannot lower a required shared-memory sync inside a
+    divergent region"), though the same kernel without the split, or over FP8 rows, lowers fine.
+    """
+    if split and geo.kv_kind == "bf16" and geo.d_rope:
+        return False
     return head_block(geo.heads) == MAX_HEAD_BLOCK and geo.d_v % 128 == 0 and geo.d_rope in (0, 64)
 
 
@@ -335,7 +342,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int = 64):
     weigh exactly 0.
     """
     geo.check()
-    assert ws_supported(geo), "needs 64 heads per block, d_v a multiple of 128 and d_rope 0 or 64"
+    assert ws_supported(geo, split), "needs 64 heads per block, d_v a multiple of 128 and d_rope 0 or 64"
     d_v, d_tail, heads = geo.d_v, geo.d_rope, geo.heads
     half = d_v // 2
     hb = MAX_HEAD_BLOCK
@@ -345,7 +352,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int = 64):
     if packed:
         scale_word, rope_half = geo.layout.scale_offset // 4, geo.layout.rope_offset // 2
     vec = 8 if geo.kv_kind == "bf16" else 16  # elements one producer thread moves at once (16 bytes read)
-    chunks = d_v // (vec * WS_THREADS_PER_ROW)  # per thread and row
+    chunks = d_v // (vec * WS_THREADS_PER_ROW)  # per thread and row, half of them in each half of the row
     tail_chunks = d_tail // (8 * WS_THREADS_PER_ROW)
     passes = block_i // WS_ROWS_PER_PASS
     dtype, acc = T.bfloat16, T.float32
@@ -380,14 +387,12 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int = 64):
             row = T.max(slot[p], 0)
             if geo.kv_kind == "bf16":
                 # cp.async: no registers held per load, so every row of the stage is in flight at once
-                for c in T.unroll(chunks):
+                for c in T.unroll(chunks // 2):
                     col = (c * WS_THREADS_PER_ROW + lane) * vec
-                    if col < half:
-                        T.ptx_cp_async(T.access_ptr(dst_l[j, col], "w", vec), T.access_ptr(kv[row, col], "r", vec), vec,
-                                       predicate=ok)
-                    else:
-                        T.ptx_cp_async(T.access_ptr(dst_r[j, col - half], "w", vec),
-                                       T.access_ptr(kv[row, col], "r", vec), vec, predicate=ok)
+                    T.ptx_cp_async(T.access_ptr(dst_l[j, col], "w", vec), T.access_ptr(kv[row, col], "r", vec), vec,
+                                   predicate=ok)
+                    T.ptx_cp_async(T.access_ptr(dst_r[j, col], "w", vec), T.access_ptr(kv[row, half + col], "r", vec),
+                                   vec, predicate=ok)
                 if d_tail:
                     for c in T.unroll(tail_chunks):
                         col = (c * WS_THREADS_PER_ROW + lane) * 8
@@ -395,16 +400,16 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int = 64):
                                        8, predicate=ok)
             else:
                 # FP8 values are widened in registers (times their tile scale for a packed row)
-                for c in T.unroll(chunks):
+                for c in T.unroll(chunks // 2):
                     col = (c * WS_THREADS_PER_ROW + lane) * vec
-                    sc = T.if_then_else(ok, scales[row, scale_word + col // QUANT_TILE], 0.0) if packed else None
-                    if col < half:
-                        for v in T.vectorized(vec):
-                            dst_l[j, col + v] = widen(values[row, col + v] if packed else kv[row, col + v], ok, sc)
-                    else:
-                        for v in T.vectorized(vec):
-                            dst_r[j, col - half + v] = widen(values[row, col + v] if packed else kv[row, col + v], ok,
-                                                             sc)
+                    sc_l = T.if_then_else(ok, scales[row, scale_word + col // QUANT_TILE], 0.0) if packed else None
+                    sc_r = T.if_then_else(ok, scales[row, scale_word + (half + col) // QUANT_TILE], 0.0) if packed \
+                        else None
+                    for v in T.vectorized(vec):
+                        dst_l[j, col + v] = widen(values[row, col + v] if packed else kv[row, col + v], ok, sc_l)
+                    for v in T.vectorized(vec):
+                        dst_r[j, col + v] = widen(values[row, half + col + v] if packed else kv[row, half + col + v],
+                                                  ok, sc_r)
                 if d_tail:
                     for c in T.unroll(tail_chunks):
                         col = (c * WS_THREADS_PER_ROW + lane) * 8

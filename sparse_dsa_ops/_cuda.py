@@ -90,8 +90,8 @@ def attn_keys(kv_kind: str, d_v: int, d_rope: int, heads: int, sm_scale: float, 
     geo = AttnGeometry(d_v, d_rope, heads, kv_kind, has_topk_length, float(sm_scale), q_fp8)
     geo.check()
     hopper = target == "cuda" if target else _is_hopper()
-    ws = hopper and ws_supported(geo)
-    keys = [KernelKey(f"attn_{path}_ws" if ws else f"attn_{path}", geo) for path in paths]
+    ws = {path: hopper and ws_supported(geo, split=path == "decode") for path in paths}
+    keys = [KernelKey(f"attn_{path}_ws" if ws[path] else f"attn_{path}", geo) for path in paths]
     if "decode" in paths:
         keys.append(KernelKey("combine", (d_v, heads)))
     return keys
