@@ -128,15 +128,8 @@ def normalize(acc_o, lse, m_i, sumexp, scale2):
                                 -T.infinity(T.float32))
 
 
-def ws_supported(geo: AttnGeometry, split: bool = False) -> bool:
-    """Whether :func:`build_attn_ws` handles ``geo`` (it also needs an sm_90 CUDA target).
-
-    The split (decode) variant of a bf16 pool with a RoPE tail is left to the portable kernel:
-    TileLang 0.1.15's sync planner rejects it ("cannot lower a required shared-memory sync inside a
-    divergent region"), though the same kernel without the split, or over FP8 rows, lowers fine.
-    """
-    if split and geo.kv_kind == "bf16" and geo.d_rope:
-        return False
+def ws_supported(geo: AttnGeometry) -> bool:
+    """Whether :func:`build_attn_ws` handles ``geo`` (it also needs an sm_90 CUDA target)."""
     return head_block(geo.heads) == MAX_HEAD_BLOCK and geo.d_v % 128 == 0 and geo.d_rope in (0, 64)
 
 
@@ -337,12 +330,12 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int = 64):
     the decode kernel: the grid's second axis splits the top-k blocks and each split writes its
     normalized float32 partial and LSE for :func:`build_combine`. The producer reads all slot ids of a
     stage first and then issues every row load of the stage predicated, with no branches, so they are
-    in flight together (bf16 rows with cp.async, FP8 rows through registers, widened to bf16); rows
+    in flight together (FP8 values are widened to bf16 on the way); rows
     of invalid entries are written as zeros (never dereferenced) and their scores are -inf, so they
     weigh exactly 0.
     """
     geo.check()
-    assert ws_supported(geo, split), "needs 64 heads per block, d_v a multiple of 128 and d_rope 0 or 64"
+    assert ws_supported(geo), "needs 64 heads per block, d_v a multiple of 128 and d_rope 0 or 64"
     d_v, d_tail, heads = geo.d_v, geo.d_rope, geo.heads
     half = d_v // 2
     hb = MAX_HEAD_BLOCK
@@ -386,18 +379,20 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int = 64):
             ok = slot[p] >= 0
             row = T.max(slot[p], 0)
             if geo.kv_kind == "bf16":
-                # cp.async: no registers held per load, so every row of the stage is in flight at once
+                # Plain predicated 16-byte loads. (cp.async would keep more loads in flight, but TileLang
+                # 0.1.15 then inserts a named-barrier sync into this warpgroup that reuses the id of the
+                # first consumer's barrier, which can deadlock; tests/test_kernel_source.py checks.)
                 for c in T.unroll(chunks // 2):
                     col = (c * WS_THREADS_PER_ROW + lane) * vec
-                    T.ptx_cp_async(T.access_ptr(dst_l[j, col], "w", vec), T.access_ptr(kv[row, col], "r", vec), vec,
-                                   predicate=ok)
-                    T.ptx_cp_async(T.access_ptr(dst_r[j, col], "w", vec), T.access_ptr(kv[row, half + col], "r", vec),
-                                   vec, predicate=ok)
+                    for v in T.vectorized(vec):
+                        dst_l[j, col + v] = T.if_then_else(ok, kv[row, col + v], 0)
+                    for v in T.vectorized(vec):
+                        dst_r[j, col + v] = T.if_then_else(ok, kv[row, half + col + v], 0)
                 if d_tail:
                     for c in T.unroll(tail_chunks):
                         col = (c * WS_THREADS_PER_ROW + lane) * 8
-                        T.ptx_cp_async(T.access_ptr(dst_t[j, col], "w", 8), T.access_ptr(kv[row, d_v + col], "r", 8),
-                                       8, predicate=ok)
+                        for v in T.vectorized(8):
+                            dst_t[j, col + v] = T.if_then_else(ok, kv[row, d_v + col + v], 0)
             else:
                 # FP8 values are widened in registers (times their tile scale for a packed row)
                 for c in T.unroll(chunks // 2):
@@ -418,9 +413,6 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int = 64):
                                 dst_t[j, col + v] = T.if_then_else(ok, tails[row, rope_half + col + v], 0)
                             else:
                                 dst_t[j, col + v] = widen(kv[row, d_v + col + v], ok, None)
-        if geo.kv_kind == "bf16":
-            T.ptx_commit_group()
-            T.ptx_wait_group(0)
         # generic-proxy smem writes must be fenced before the consumers' wgmma (async proxy) reads them
         T.fence_proxy_async()
         T.barrier_arrive(ready)

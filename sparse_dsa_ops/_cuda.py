@@ -90,8 +90,8 @@ def attn_keys(kv_kind: str, d_v: int, d_rope: int, heads: int, sm_scale: float, 
     geo = AttnGeometry(d_v, d_rope, heads, kv_kind, has_topk_length, float(sm_scale), q_fp8)
     geo.check()
     hopper = target == "cuda" if target else _is_hopper()
-    ws = {path: hopper and ws_supported(geo, split=path == "decode") for path in paths}
-    keys = [KernelKey(f"attn_{path}_ws" if ws[path] else f"attn_{path}", geo) for path in paths]
+    ws = hopper and ws_supported(geo)
+    keys = [KernelKey(f"attn_{path}_ws" if ws else f"attn_{path}", geo) for path in paths]
     if "decode" in paths:
         keys.append(KernelKey("combine", (d_v, heads)))
     return keys
@@ -124,10 +124,11 @@ def _is_hopper() -> bool:
     return _target() == "cuda" and torch.cuda.get_device_capability() == (9, 0)
 
 
-def _compile(key: KernelKey) -> Callable:
+def _compile(key: KernelKey, func=None) -> Callable:
+    """Lower and build ``key`` (from its already elaborated program ``func`` if given)."""
     import tilelang
 
-    return tilelang.compile(program(key), target=_target())
+    return tilelang.compile(program(key) if func is None else func, target=_target())
 
 
 def kernel(key: KernelKey) -> Callable:
@@ -151,15 +152,20 @@ def warmup(keys: Iterable[KernelKey], workers: int = 8, progress: bool = True) -
     if not todo:
         return
     done = 0
+    # Programs are elaborated here, one after another: TileLang's frontend builder keeps global
+    # state and is not safe to run in several threads. Lowering and nvcc run in parallel threads
+    # (as tilelang.par_compile does).
+    programs = [(key, program(key)) for key in todo]
 
-    def build(key):
-        fn = _compile(key)
+    def build(item):
+        key, func = item
+        fn = _compile(key, func)
         with _LOCK:
             _KERNELS[key] = fn
         return key
 
     with ThreadPoolExecutor(max_workers=max(1, min(workers, len(todo)))) as pool:
-        for key in pool.map(build, todo):
+        for key in pool.map(build, programs):
             done += 1
             if progress:
                 print(f"\rsparse_dsa_ops: compiled {done}/{len(todo)} kernels ({key.name})".ljust(100), end="",

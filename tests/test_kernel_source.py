@@ -55,9 +55,8 @@ def test_attention_sources(name, kind, target):
     keys = attn_keys(name, kind, target=target)
     # the warp-specialized prefill kernel is CUDA-only and needs 64 heads per block
     ws = target == "cuda" and ATTN[name][2] >= 33
-    ws_split = ws and not (kind == "bf16" and ATTN[name][1] > 0)  # see sparse_attn.ws_supported
-    assert [k.family for k in keys] == ["attn_prefill_ws" if ws else "attn_prefill",
-                                        "attn_decode_ws" if ws_split else "attn_decode", "combine"]
+    assert [k.family for k in keys] == (["attn_prefill_ws", "attn_decode_ws", "combine"] if ws else
+                                        ["attn_prefill", "attn_decode", "combine"])
     for key in keys[:2]:
         body = kernel_body(source(key, target))
         has_tail = ATTN[name][1] > 0
@@ -70,8 +69,15 @@ def test_attention_sources(name, kind, target):
             # q and kv arrive as float8 and are widened on the way into shared memory
             assert re.search(r"fp8_e4_t\* __restrict__ q\b", body) and "fp8_e4_t* __restrict__ kv" in body
     if ws:
-        # bf16 rows are gathered with cp.async (zero-filled for invalid entries); FP8 rows go through registers
-        assert ("cp_async_gs_conditional" in kernel_body(source(keys[0], target))) == (kind == "bf16")
+        for key in keys[:2]:
+            # The producer warpgroup (the code after it gives registers back) synchronizes through its
+            # mbarriers only. A named-barrier sync there would share an id with a consumer warpgroup's:
+            # TileLang 0.1.15 emits one (id 3, also the first consumer's) after cp.async waits, which can
+            # deadlock; the producer therefore uses plain loads.
+            body = kernel_body(source(key, target))
+            producer = body[body.index("warpgroup_reg_dealloc"):]
+            assert "__sync_thread_partial" not in producer and "__syncthreads" not in producer
+            assert "cp_async" not in body
     assert "combine_kernel" in source(keys[2], target)
 
 
