@@ -91,6 +91,8 @@ def _cases(n_rows: int, tokens: int, topk: int, slots: int) -> list[Case]:
             kv = pool(gen)
             if kind == "bf16":
                 kv = reference.dequant_k_cache(kv)
+            elif kind == "fp8":  # native FP8: float8 q over float8 rows
+                q, kv = q.to(torch.float8_e4m3fn), reference.dequant_k_cache(kv).to(torch.float8_e4m3fn)
             idx = torch.randint(-1, slots, (t_count, topk), generator=gen, dtype=torch.int32)
             return q, kv, idx, lay.d_qk**-0.5, lay.d_nope, None
 
@@ -117,6 +119,8 @@ def _cases(n_rows: int, tokens: int, topk: int, slots: int) -> list[Case]:
             Case("sparse_attn bf16", geo, lambda g, a=attn_inputs: a(g, "bf16"), ops.sparse_attn,
                  reference.sparse_attn, False),
             Case("sparse_attn packed", geo, lambda g, a=attn_inputs: a(g, "packed"), ops.sparse_attn,
+                 reference.sparse_attn, False),
+            Case("sparse_attn fp8", geo, lambda g, a=attn_inputs: a(g, "fp8"), ops.sparse_attn,
                  reference.sparse_attn, False),
             Case("sparse_attn T2 packed", geo, lambda g, a=attn_inputs: a(g, "packed", 2), ops.sparse_attn,
                  reference.sparse_attn, False),
