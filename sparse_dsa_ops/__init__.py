@@ -50,6 +50,11 @@ def warmup(
     Call it before capturing CUDA graphs: compiling inside a capture raises. TileLang's disk cache
     (``TILELANG_CACHE_DIR``) makes the next process's warmup fast. ``sm_scale`` is compiled into
     the attention kernels, so pass the model's exact value.
+
+    ``kv_kinds`` are the pools attention will read: "bf16", "fp8" (float8_e4m3fn values) and/or
+    "packed" (uint8 FP8 rows); ``fp8_q`` whether q is bf16 (False), float8_e4m3fn (True) or either
+    ``(False, True)`` (a float8 q only goes with "fp8" or "packed" kv). ``topk_length`` says whether
+    calls pass lengths; ``cache_ops``, ``round_scale`` and ``slot_dtypes`` pick the cache kernels.
     """
     lay = KCacheLayout(d_nope, d_rope)
     keys = []

@@ -382,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         name = getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
         return 1 if check(torch.device(name)) else 0
     if args.command == "source":
+        if args.op == "sparse_attn" and args.q == "fp8" and args.kv == "bf16":
+            p_src.error("--q fp8 needs --kv fp8 or --kv packed")
         return source(args)
     return bench(args)
 
