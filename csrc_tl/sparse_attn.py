@@ -128,6 +128,32 @@ def normalize(acc_o, lse, m_i, sumexp, scale2):
                                 -T.infinity(T.float32))
 
 
+@T.macro
+def store_rows(out, lse, acc_o, stage, row_lse, t, split_id, h0, col0, heads):
+    """Write this block's existing heads ``h0 + h < heads`` of ``acc_o [hb, width]`` to columns
+    ``col0 + d`` of ``out`` and, unless ``lse`` is None, ``row_lse [hb]`` to ``lse``. A split kernel
+    (``split_id`` not None) writes float32 partials straight from the fragment; otherwise the rows are
+    rounded to bf16 in the free shared tile ``stage`` first, for coalesced stores."""
+    hb, width = acc_o.shape
+    if split_id is not None:
+        for h, d in T.Parallel(hb, width):
+            if h0 + h < heads:
+                out[t, split_id, h0 + h, col0 + d] = acc_o[h, d]
+        if lse is not None:
+            for h in T.Parallel(hb):
+                if h0 + h < heads:
+                    lse[t, split_id, h0 + h] = row_lse[h]
+    else:
+        T.copy(acc_o, stage)
+        for h, d in T.Parallel(hb, width):
+            if h0 + h < heads:
+                out[t, h0 + h, col0 + d] = stage[h, d]
+        if lse is not None:
+            for h in T.Parallel(hb):
+                if h0 + h < heads:
+                    lse[t, h0 + h] = row_lse[h]
+
+
 def ws_supported(geo: AttnGeometry) -> bool:
     """Whether :func:`build_attn_ws` handles ``geo`` (it also needs an sm_90 CUDA target)."""
     return head_block(geo.heads) == MAX_HEAD_BLOCK and geo.d_v % 128 == 0 and geo.d_rope in (0, 64)
@@ -227,21 +253,7 @@ def build_attn(geo: AttnGeometry, *, split: bool, block_i: int = 64, threads: in
 
             # An empty row (sumexp 0) gives out 0 and lse -inf.
             normalize(acc_o, sum_i, m_i, sumexp, scale2)
-            if split:
-                for h, d in T.Parallel(hb, d_v):
-                    if h0 + h < heads:
-                        out[t, by, h0 + h, d] = acc_o[h, d]
-                for h in T.Parallel(hb):
-                    if h0 + h < heads:
-                        lse[t, by, h0 + h] = sum_i[h]
-            else:
-                T.copy(acc_o, q_s)  # q_s is free now: stage the bf16 output for coalesced stores
-                for h, d in T.Parallel(hb, d_v):
-                    if h0 + h < heads:
-                        out[t, h0 + h, d] = q_s[h, d]
-                for h in T.Parallel(hb):
-                    if h0 + h < heads:
-                        lse[t, h0 + h] = sum_i[h]
+            store_rows(out, lse, acc_o, q_s, sum_i, t, by if split else None, h0, 0, heads)  # q_s is free now
 
     if split:
         out_t = T.Tensor((t_count, n_split, heads, d_v), acc)
@@ -522,21 +534,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int = 64):
                 T.copy(sumexp, sum_s)
                 T.barrier_arrive(done)
                 normalize(acc_o, sum_i, m_i, sumexp, scale2)
-                if split:
-                    for h, d in T.Parallel(hb, half):
-                        if h0 + h < heads:
-                            out[t, by, h0 + h, d] = acc_o[h, d]
-                    for h in T.Parallel(hb):
-                        if h0 + h < heads:
-                            lse[t, by, h0 + h] = sum_i[h]
-                else:
-                    T.copy(acc_o, q_l)
-                    for h, d in T.Parallel(hb, half):
-                        if h0 + h < heads:
-                            out[t, h0 + h, d] = q_l[h, d]
-                    for h in T.Parallel(hb):
-                        if h0 + h < heads:
-                            lse[t, h0 + h] = sum_i[h]
+                store_rows(out, lse, acc_o, q_l, sum_i, t, by if split else None, h0, 0, heads)
             elif tx >= 128 and tx < 256:
                 T.set_max_nreg(168, 1)
                 T.fill(acc_o_r, 0)
@@ -554,15 +552,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int = 64):
                 T.barrier_wait(done, 0)
                 for h, d in T.Parallel(hb, half):
                     acc_o_r[h, d] = T.if_then_else(sum_s[h] > 0, acc_o_r[h, d] / sum_s[h], 0)
-                if split:
-                    for h, d in T.Parallel(hb, half):
-                        if h0 + h < heads:
-                            out[t, by, h0 + h, half + d] = acc_o_r[h, d]
-                else:
-                    T.copy(acc_o_r, q_r)
-                    for h, d in T.Parallel(hb, half):
-                        if h0 + h < heads:
-                            out[t, h0 + h, half + d] = q_r[h, d]
+                store_rows(out, None, acc_o_r, q_r, None, t, by if split else None, h0, half, heads)
             elif tx >= 256:
                 T.set_max_nreg(80, 0)
                 for pair in T.serial(pairs):
