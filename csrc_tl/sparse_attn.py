@@ -342,9 +342,8 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int = 64):
     the decode kernel: the grid's second axis splits the top-k blocks and each split writes its
     normalized float32 partial and LSE for :func:`build_combine`. The producer reads all slot ids of a
     stage first and then issues every row load of the stage predicated, with no branches, so they are
-    in flight together (FP8 values are widened to bf16 on the way); rows
-    of invalid entries are written as zeros (never dereferenced) and their scores are -inf, so they
-    weigh exactly 0.
+    in flight together (FP8 values are widened to bf16 on the way); rows of invalid entries are
+    written as zeros (never dereferenced) and their scores are -inf, so they weigh exactly 0.
     """
     geo.check()
     assert ws_supported(geo), "needs 64 heads per block, d_v a multiple of 128 and d_rope 0 or 64"
