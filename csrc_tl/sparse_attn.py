@@ -286,43 +286,48 @@ def _entry(geo: AttnGeometry, attend, t_count, s_count, k_count, out_t, lse_t):
 
 
 COMBINE_THREADS = 128
+MAX_SPLITS = 64  # most splits a decode grid may use (the combine unrolls its loops to this bound)
 
 
 def build_combine(d_v: int, heads: int):
     """Merge split partials: ``(part_out [T, NS, H, d_v] f32, part_lse [T, NS, H] f32, out [T, H, d_v] bf16,
-    lse [T, H] f32)``; splits with lse -inf weigh nothing, and if all are -inf out is 0 and lse -inf."""
+    lse [T, H] f32)`` with ``1 <= NS <= MAX_SPLITS``; splits with lse -inf weigh nothing, and if all are
+    -inf out is 0 and lse -inf. The split loops are unrolled to ``MAX_SPLITS`` with clamped addresses, so
+    every load of a thread is in flight at once instead of one round trip per split."""
     t_count, n_split = T.dynamic("t"), T.dynamic("ns")
     cols = T.ceildiv(d_v, COMBINE_THREADS)
+    f32 = T.float32
 
     @T.prim_func
-    def combine(part_out: T.Tensor((t_count, n_split, heads, d_v), T.float32),
-                part_lse: T.Tensor((t_count, n_split, heads), T.float32),
-                out: T.Tensor((t_count, heads, d_v), T.bfloat16), lse: T.Tensor((t_count, heads), T.float32)):
+    def combine(part_out: T.Tensor((t_count, n_split, heads, d_v), f32),
+                part_lse: T.Tensor((t_count, n_split, heads), f32),
+                out: T.Tensor((t_count, heads, d_v), T.bfloat16), lse: T.Tensor((t_count, heads), f32)):
         with T.Kernel(heads, t_count, threads=COMBINE_THREADS) as (h, t):
             tx = T.get_thread_binding()
-            top = T.alloc_local((1,), T.float32)
-            total = T.alloc_local((1,), T.float32)
-            acc = T.alloc_local((cols,), T.float32)
-            top[0] = -T.infinity(T.float32)
-            for sp in T.serial(n_split):
-                top[0] = T.max(top[0], part_lse[t, sp, h])
+            w = T.alloc_local((MAX_SPLITS,), f32)
+            top = T.alloc_local((1,), f32)
+            total = T.alloc_local((1,), f32)
+            acc = T.alloc_local((cols,), f32)
+            for sp in T.unroll(MAX_SPLITS):
+                w[sp] = T.if_then_else(sp < n_split, part_lse[t, T.min(sp, n_split - 1), h], -T.infinity(f32))
+            top[0] = -T.infinity(f32)
+            for sp in T.unroll(MAX_SPLITS):
+                top[0] = T.max(top[0], w[sp])
             total[0] = 0.0
-            for c in T.serial(cols):
+            for sp in T.unroll(MAX_SPLITS):  # weights; all 0 when every split is empty (no -inf - -inf)
+                w[sp] = T.if_then_else(w[sp] == -T.infinity(f32), 0.0, T.exp(w[sp] - top[0]))
+                total[0] = total[0] + w[sp]
+            for c in T.unroll(cols):
+                col = T.min(c * COMBINE_THREADS + tx, d_v - 1)
                 acc[c] = 0.0
-            if top[0] != -T.infinity(T.float32):
-                for sp in T.serial(n_split):
-                    w = T.exp(part_lse[t, sp, h] - top[0])
-                    total[0] = total[0] + w
-                    for c in T.serial(cols):
-                        if c * COMBINE_THREADS + tx < d_v:
-                            acc[c] = acc[c] + w * part_out[t, sp, h, c * COMBINE_THREADS + tx]
-                for c in T.serial(cols):
-                    acc[c] = acc[c] / total[0]
-            for c in T.serial(cols):
+                for sp in T.unroll(MAX_SPLITS):
+                    acc[c] = acc[c] + w[sp] * part_out[t, T.min(sp, n_split - 1), h, col]
+            for c in T.unroll(cols):
                 if c * COMBINE_THREADS + tx < d_v:
-                    out[t, h, c * COMBINE_THREADS + tx] = T.cast(acc[c], T.bfloat16)
+                    out[t, h, c * COMBINE_THREADS + tx] = T.cast(T.if_then_else(total[0] > 0, acc[c] / total[0], 0.0),
+                                                                 T.bfloat16)
             if tx == 0:
-                lse[t, h] = T.if_then_else(total[0] > 0, top[0] + T.log(total[0]), -T.infinity(T.float32))
+                lse[t, h] = T.if_then_else(total[0] > 0, top[0] + T.log(total[0]), -T.infinity(f32))
 
     return combine
 
@@ -332,7 +337,7 @@ WS_ROWS_PER_PASS = 16  # rows the producer warpgroup fills at once (8 threads pe
 WS_THREADS_PER_ROW = 8
 
 
-def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int = 64):
+def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int = 64, async_copy: bool = False):
     """Warp-specialized prefill kernel for Hopper (sm_90, CUDA only: mbarriers and setmaxnreg): a
     producer warpgroup gathers (and for a packed pool dequantizes) the next top-k block into the
     other of two shared stages while two consumer warpgroups run the GEMMs and the softmax on the
@@ -361,6 +366,8 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int = 64):
     passes = block_i // WS_ROWS_PER_PASS
     dtype, acc = T.bfloat16, T.float32
     t_count, s_count, k_count, n_split = T.dynamic("t"), T.dynamic("s"), T.dynamic("k"), T.dynamic("ns")
+    copies_async = async_copy and geo.kv_kind == "bf16"
+    ready_count = 256 if copies_async else 128  # producer threads arrive once, or twice with cp.async
 
     def widen(value, ok, scale):
         """bf16 of an FP8 value (times its tile scale if any); 0 for an invalid row."""
@@ -389,10 +396,21 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int = 64):
             j = p * WS_ROWS_PER_PASS + tx // WS_THREADS_PER_ROW
             ok = slot[p] >= 0
             row = T.max(slot[p], 0)
-            if geo.kv_kind == "bf16":
-                # Plain predicated 16-byte loads. (cp.async would keep more loads in flight, but TileLang
-                # 0.1.15 then inserts a named-barrier sync into this warpgroup that reuses the id of the
-                # first consumer's barrier, which can deadlock; tests/test_kernel_source.py checks.)
+            if geo.kv_kind == "bf16" and async_copy:
+                # cp.async straight into shared memory: the whole stage is in flight without registers
+                for c in T.unroll(chunks // 2):
+                    col = (c * WS_THREADS_PER_ROW + lane) * vec
+                    T.ptx_cp_async(T.access_ptr(dst_l[j, col], "w", vec), T.access_ptr(kv[row, col], "r", vec), vec,
+                                   predicate=ok)
+                    T.ptx_cp_async(T.access_ptr(dst_r[j, col], "w", vec), T.access_ptr(kv[row, half + col], "r", vec),
+                                   vec, predicate=ok)
+                if d_tail:
+                    for c in T.unroll(tail_chunks):
+                        col = (c * WS_THREADS_PER_ROW + lane) * 8
+                        T.ptx_cp_async(T.access_ptr(dst_t[j, col], "w", 8), T.access_ptr(kv[row, d_v + col], "r", 8),
+                                       8, predicate=ok)
+            elif geo.kv_kind == "bf16":
+                # Plain predicated 16-byte loads.
                 for c in T.unroll(chunks // 2):
                     col = (c * WS_THREADS_PER_ROW + lane) * vec
                     for v in T.vectorized(vec):
@@ -427,6 +445,11 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int = 64):
         # generic-proxy smem writes must be fenced before the consumers' wgmma (async proxy) reads them
         T.fence_proxy_async()
         T.barrier_arrive(ready)
+        if copies_async:
+            # a second arrival per thread once its cp.async copies have landed; no wait here, so
+            # TileLang inserts no warpgroup sync into the producer (a named barrier id it would share
+            # with the first consumer warpgroup: a deadlock)
+            T.cp_async_barrier_noinc(ready)
 
     @T.macro
     def attend(q, kv, indices, topk_length, out, lse):
@@ -458,8 +481,8 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int = 64):
             sum_i = T.alloc_fragment((hb,), acc)
             sumexp = T.alloc_fragment((hb,), acc)
 
-            ready0 = T.alloc_barrier(arrive_count=128)
-            ready1 = T.alloc_barrier(arrive_count=128)
+            ready0 = T.alloc_barrier(arrive_count=ready_count)
+            ready1 = T.alloc_barrier(arrive_count=ready_count)
             free0 = T.alloc_barrier(arrive_count=256)
             free1 = T.alloc_barrier(arrive_count=256)
             p_ready = T.alloc_barrier(arrive_count=128)
@@ -503,6 +526,8 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int = 64):
                         T.barrier_wait(ready0, phase)
                     else:
                         T.barrier_wait(ready1, phase)
+                    if copies_async:
+                        T.fence_proxy_async()  # cp.async wrote the stage; wgmma reads it through the async proxy
                     for h, j in T.Parallel(hb, block_i):
                         ok = T.if_then_else(it % 2 == 0, ok0[j], ok1[j])
                         acc_s[h, j] = T.if_then_else(ok != 0, 0, -T.infinity(acc))
@@ -539,6 +564,8 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int = 64):
                 T.fill(acc_o_r, 0)
                 for it in T.serial(pairs * 2):
                     T.barrier_wait(p_ready, it & 1)
+                    if copies_async:
+                        T.fence_proxy_async()
                     for h, d in T.Parallel(hb, half):
                         acc_o_r[h, d] = acc_o_r[h, d] * alpha_s[h]
                     if it % 2 == 0:
