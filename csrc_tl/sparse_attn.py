@@ -286,48 +286,43 @@ def _entry(geo: AttnGeometry, attend, t_count, s_count, k_count, out_t, lse_t):
 
 
 COMBINE_THREADS = 128
-MAX_SPLITS = 64  # most splits a decode grid may use (the combine unrolls its loops to this bound)
 
 
 def build_combine(d_v: int, heads: int):
     """Merge split partials: ``(part_out [T, NS, H, d_v] f32, part_lse [T, NS, H] f32, out [T, H, d_v] bf16,
-    lse [T, H] f32)`` with ``1 <= NS <= MAX_SPLITS``; splits with lse -inf weigh nothing, and if all are
-    -inf out is 0 and lse -inf. The split loops are unrolled to ``MAX_SPLITS`` with clamped addresses, so
-    every load of a thread is in flight at once instead of one round trip per split."""
+    lse [T, H] f32)``; splits with lse -inf weigh nothing, and if all are -inf out is 0 and lse -inf."""
     t_count, n_split = T.dynamic("t"), T.dynamic("ns")
     cols = T.ceildiv(d_v, COMBINE_THREADS)
-    f32 = T.float32
 
     @T.prim_func
-    def combine(part_out: T.Tensor((t_count, n_split, heads, d_v), f32),
-                part_lse: T.Tensor((t_count, n_split, heads), f32),
-                out: T.Tensor((t_count, heads, d_v), T.bfloat16), lse: T.Tensor((t_count, heads), f32)):
+    def combine(part_out: T.Tensor((t_count, n_split, heads, d_v), T.float32),
+                part_lse: T.Tensor((t_count, n_split, heads), T.float32),
+                out: T.Tensor((t_count, heads, d_v), T.bfloat16), lse: T.Tensor((t_count, heads), T.float32)):
         with T.Kernel(heads, t_count, threads=COMBINE_THREADS) as (h, t):
             tx = T.get_thread_binding()
-            w = T.alloc_local((MAX_SPLITS,), f32)
-            top = T.alloc_local((1,), f32)
-            total = T.alloc_local((1,), f32)
-            acc = T.alloc_local((cols,), f32)
-            for sp in T.unroll(MAX_SPLITS):
-                w[sp] = T.if_then_else(sp < n_split, part_lse[t, T.min(sp, n_split - 1), h], -T.infinity(f32))
-            top[0] = -T.infinity(f32)
-            for sp in T.unroll(MAX_SPLITS):
-                top[0] = T.max(top[0], w[sp])
+            top = T.alloc_local((1,), T.float32)
+            total = T.alloc_local((1,), T.float32)
+            acc = T.alloc_local((cols,), T.float32)
+            top[0] = -T.infinity(T.float32)
+            for sp in T.serial(n_split):
+                top[0] = T.max(top[0], part_lse[t, sp, h])
             total[0] = 0.0
-            for sp in T.unroll(MAX_SPLITS):  # weights; all 0 when every split is empty (no -inf - -inf)
-                w[sp] = T.if_then_else(w[sp] == -T.infinity(f32), 0.0, T.exp(w[sp] - top[0]))
-                total[0] = total[0] + w[sp]
-            for c in T.unroll(cols):
-                col = T.min(c * COMBINE_THREADS + tx, d_v - 1)
+            for c in T.serial(cols):
                 acc[c] = 0.0
-                for sp in T.unroll(MAX_SPLITS):
-                    acc[c] = acc[c] + w[sp] * part_out[t, T.min(sp, n_split - 1), h, col]
-            for c in T.unroll(cols):
+            if top[0] != -T.infinity(T.float32):
+                for sp in T.serial(n_split):
+                    w = T.exp(part_lse[t, sp, h] - top[0])
+                    total[0] = total[0] + w
+                    for c in T.serial(cols):
+                        if c * COMBINE_THREADS + tx < d_v:
+                            acc[c] = acc[c] + w * part_out[t, sp, h, c * COMBINE_THREADS + tx]
+                for c in T.serial(cols):
+                    acc[c] = acc[c] / total[0]
+            for c in T.serial(cols):
                 if c * COMBINE_THREADS + tx < d_v:
-                    out[t, h, c * COMBINE_THREADS + tx] = T.cast(T.if_then_else(total[0] > 0, acc[c] / total[0], 0.0),
-                                                                 T.bfloat16)
+                    out[t, h, c * COMBINE_THREADS + tx] = T.cast(acc[c], T.bfloat16)
             if tx == 0:
-                lse[t, h] = T.if_then_else(total[0] > 0, top[0] + T.log(total[0]), -T.infinity(f32))
+                lse[t, h] = T.if_then_else(total[0] > 0, top[0] + T.log(total[0]), -T.infinity(T.float32))
 
     return combine
 

@@ -238,12 +238,12 @@ DECODE_CTAS_PER_SM = 1  # blocks per SM a split decode grid aims at (2 measured 
 
 def plan_splits(tokens: int, heads: int, topk: int, sm_count: int) -> int:
     """Splits of the top-k range per (token, head block): 1 (prefill path) once the grid fills the GPU."""
-    from csrc_tl.sparse_attn import MAX_SPLITS, head_block
+    from csrc_tl.sparse_attn import head_block
 
     blocks = tokens * math.ceil(heads / head_block(heads))
     if blocks >= sm_count:
         return 1
-    return max(1, min(topk // TOPK_MULTIPLE, MAX_SPLITS, math.ceil(DECODE_CTAS_PER_SM * sm_count / blocks)))
+    return max(1, min(topk // TOPK_MULTIPLE, math.ceil(DECODE_CTAS_PER_SM * sm_count / blocks)))
 
 
 def sparse_attn(q, kv, indices, sm_scale, d_v, topk_length=None):
