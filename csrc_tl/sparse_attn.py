@@ -332,7 +332,7 @@ WS_ROWS_PER_PASS = 16  # rows the producer warpgroup fills at once (8 threads pe
 WS_THREADS_PER_ROW = 8
 
 
-def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int = 64, async_copy: bool = False):
+def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int = 64):
     """Warp-specialized prefill kernel for Hopper (sm_90, CUDA only: mbarriers and setmaxnreg): a
     producer warpgroup gathers (and for a packed pool dequantizes) the next top-k block into the
     other of two shared stages while two consumer warpgroups run the GEMMs and the softmax on the
@@ -342,8 +342,9 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int = 64, 
     the decode kernel: the grid's second axis splits the top-k blocks and each split writes its
     normalized float32 partial and LSE for :func:`build_combine`. The producer reads all slot ids of a
     stage first and then issues every row load of the stage predicated, with no branches, so they are
-    in flight together (FP8 values are widened to bf16 on the way); rows of invalid entries are
-    written as zeros (never dereferenced) and their scores are -inf, so they weigh exactly 0.
+    in flight together: bf16 rows by cp.async straight into shared memory (the copies arrive on the
+    stage barrier when they land), FP8 values through registers, widened to bf16. Rows of invalid
+    entries are written as zeros (never dereferenced) and their scores are -inf, so they weigh 0.
     """
     geo.check()
     assert ws_supported(geo), "needs 64 heads per block, d_v a multiple of 128 and d_rope 0 or 64"
@@ -361,7 +362,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int = 64, 
     passes = block_i // WS_ROWS_PER_PASS
     dtype, acc = T.bfloat16, T.float32
     t_count, s_count, k_count, n_split = T.dynamic("t"), T.dynamic("s"), T.dynamic("k"), T.dynamic("ns")
-    copies_async = async_copy and geo.kv_kind == "bf16"
+    copies_async = geo.kv_kind == "bf16"  # bf16 rows go to shared memory as they are, by cp.async
     ready_count = 256 if copies_async else 128  # producer threads arrive once, or twice with cp.async
 
     def widen(value, ok, scale):
@@ -391,7 +392,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int = 64, 
             j = p * WS_ROWS_PER_PASS + tx // WS_THREADS_PER_ROW
             ok = slot[p] >= 0
             row = T.max(slot[p], 0)
-            if geo.kv_kind == "bf16" and async_copy:
+            if copies_async:
                 # cp.async straight into shared memory: the whole stage is in flight without registers
                 for c in T.unroll(chunks // 2):
                     col = (c * WS_THREADS_PER_ROW + lane) * vec
@@ -404,19 +405,6 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int = 64, 
                         col = (c * WS_THREADS_PER_ROW + lane) * 8
                         T.ptx_cp_async(T.access_ptr(dst_t[j, col], "w", 8), T.access_ptr(kv[row, d_v + col], "r", 8),
                                        8, predicate=ok)
-            elif geo.kv_kind == "bf16":
-                # Plain predicated 16-byte loads.
-                for c in T.unroll(chunks // 2):
-                    col = (c * WS_THREADS_PER_ROW + lane) * vec
-                    for v in T.vectorized(vec):
-                        dst_l[j, col + v] = T.if_then_else(ok, kv[row, col + v], 0)
-                    for v in T.vectorized(vec):
-                        dst_r[j, col + v] = T.if_then_else(ok, kv[row, half + col + v], 0)
-                if d_tail:
-                    for c in T.unroll(tail_chunks):
-                        col = (c * WS_THREADS_PER_ROW + lane) * 8
-                        for v in T.vectorized(8):
-                            dst_t[j, col + v] = T.if_then_else(ok, kv[row, d_v + col + v], 0)
             else:
                 # FP8 values are widened in registers (times their tile scale for a packed row)
                 for c in T.unroll(chunks // 2):
@@ -526,26 +514,30 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int = 64, 
                     for h, j in T.Parallel(hb, block_i):
                         ok = T.if_then_else(it % 2 == 0, ok0[j], ok1[j])
                         acc_s[h, j] = T.if_then_else(ok != 0, 0, -T.infinity(acc))
+                    # the score GEMMs are issued back to back and waited for once
                     if it % 2 == 0:
-                        T.gemm(q_l, kv_l0, acc_s, transpose_B=True)
-                        T.gemm(q_r, kv_r0, acc_s, transpose_B=True)
+                        T.wgmma_gemm(q_l, kv_l0, acc_s, transpose_B=True)
+                        T.wgmma_gemm(q_r, kv_r0, acc_s, transpose_B=True)
                         if d_tail:
-                            T.gemm(qt_s, kt_s0, acc_s, transpose_B=True)
+                            T.wgmma_gemm(qt_s, kt_s0, acc_s, transpose_B=True)
                     else:
-                        T.gemm(q_l, kv_l1, acc_s, transpose_B=True)
-                        T.gemm(q_r, kv_r1, acc_s, transpose_B=True)
+                        T.wgmma_gemm(q_l, kv_l1, acc_s, transpose_B=True)
+                        T.wgmma_gemm(q_r, kv_r1, acc_s, transpose_B=True)
                         if d_tail:
-                            T.gemm(qt_s, kt_s1, acc_s, transpose_B=True)
+                            T.wgmma_gemm(qt_s, kt_s1, acc_s, transpose_B=True)
+                    T.wait_wgmma(0)
                     if it > 0:
                         T.barrier_wait(p_free, (it - 1) & 1)  # warpgroup 1 is done with p_s and alpha_s
                     online_softmax(acc_s, acc_o, m_i, m_prev, alpha, sum_i, sumexp, scale2)
                     T.copy(alpha, alpha_s)
                     T.copy(acc_s, p_s)
+                    # warpgroup 1 may start its half of PV now, beside this warpgroup's half
+                    T.fence_proxy_async()
+                    T.barrier_arrive(p_ready)
                     if it % 2 == 0:
                         T.gemm(p_s, kv_l0, acc_o)
                     else:
                         T.gemm(p_s, kv_l1, acc_o)
-                    T.barrier_arrive(p_ready)
                     if it % 2 == 0:
                         T.barrier_arrive(free0)
                     else:

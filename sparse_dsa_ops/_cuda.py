@@ -81,19 +81,25 @@ def cache_keys(op: str, layout: KCacheLayout, round_scale: bool = False, slot_dt
 def attn_keys(kv_kind: str, d_v: int, d_rope: int, heads: int, sm_scale: float, has_topk_length: bool,
               paths: Iterable[str] = ("prefill", "decode"), target: str | None = None,
               q_fp8: bool = False) -> list[KernelKey]:
-    """The kernels ``sparse_attn`` runs for one geometry on ``target`` (default: this machine's):
-    a prefill kernel and a split decode kernel (both warp-specialized on sm_90 CUDA where the geometry
-    allows) and the decode's combine.
-    ``kv_kind`` is "bf16", "fp8" or "packed"; ``q_fp8`` picks the kernels for a float8_e4m3fn q."""
+    """The kernels ``sparse_attn`` runs for one geometry on ``target`` (default: this machine's), in
+    this order: the prefill kernel; the split decode kernels; the decode's combine (last).
+
+    Where the geometry allows on sm_90 CUDA, prefill is warp-specialized and decode has both the
+    warp-specialized split kernel (for splits of several top-k blocks) and the portable one (for
+    splits of one or two blocks, where its shorter start wins). ``kv_kind`` is "bf16", "fp8" or
+    "packed"; ``q_fp8`` picks the kernels for a float8_e4m3fn q."""
     from csrc_tl.sparse_attn import AttnGeometry, ws_supported
 
     geo = AttnGeometry(d_v, d_rope, heads, kv_kind, has_topk_length, float(sm_scale), q_fp8)
     geo.check()
     hopper = target == "cuda" if target else _is_hopper()
     ws = hopper and ws_supported(geo)
-    keys = [KernelKey(f"attn_{path}_ws" if ws else f"attn_{path}", geo) for path in paths]
+    keys = []
+    if "prefill" in paths:
+        keys.append(KernelKey("attn_prefill_ws" if ws else "attn_prefill", geo))
     if "decode" in paths:
-        keys.append(KernelKey("combine", (d_v, heads)))
+        keys += [KernelKey("attn_decode_ws", geo)] if ws else []
+        keys += [KernelKey("attn_decode", geo), KernelKey("combine", (d_v, heads))]
     return keys
 
 
@@ -233,17 +239,19 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-DECODE_CTAS_PER_SM = 1  # blocks per SM a split decode grid aims at (2 measured slower: 43 vs 28 us at T 17)
+WS_DECODE_MIN_BLOCKS = 3  # top-k blocks per split from which the warp-specialized decode kernel wins
 
 
 def plan_splits(tokens: int, heads: int, topk: int, sm_count: int) -> int:
-    """Splits of the top-k range per (token, head block): 1 (prefill path) once the grid fills the GPU."""
+    """Splits of the top-k range per (token, head block): 1 (the prefill path) once the grid fills the
+    GPU, else as many as keep the whole grid in one wave of one block per SM (a second wave of a few
+    blocks doubles the time) and give every split at least one top-k block."""
     from csrc_tl.sparse_attn import head_block
 
     blocks = tokens * math.ceil(heads / head_block(heads))
     if blocks >= sm_count:
         return 1
-    return max(1, min(topk // TOPK_MULTIPLE, math.ceil(DECODE_CTAS_PER_SM * sm_count / blocks)))
+    return max(1, min(topk // TOPK_MULTIPLE, sm_count // blocks))
 
 
 def sparse_attn(q, kv, indices, sm_scale, d_v, topk_length=None):
@@ -273,10 +281,13 @@ def sparse_attn(q, kv, indices, sm_scale, d_v, topk_length=None):
     if splits == 1:
         kernel(keys[0])(q, pool, idx, *lengths, out, lse)
         return out, lse
+    # keys: [decode_ws,] decode, combine; the warp-specialized one for splits of several blocks
+    blocks_per_split = math.ceil(topk // TOPK_MULTIPLE / splits)
+    split_key = keys[0] if len(keys) == 3 and blocks_per_split >= WS_DECODE_MIN_BLOCKS else keys[-2]
     part_out = torch.empty(t_count, splits, heads, d_v, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(t_count, splits, heads, dtype=torch.float32, device=q.device)
-    kernel(keys[0])(q, pool, idx, *lengths, part_out, part_lse)
-    kernel(keys[1])(part_out, part_lse, out, lse)
+    kernel(split_key)(q, pool, idx, *lengths, part_out, part_lse)
+    kernel(keys[-1])(part_out, part_lse, out, lse)
     return out, lse
 
 

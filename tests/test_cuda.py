@@ -242,14 +242,17 @@ def test_glm_decode_coverage(kind, t_count, topk, pad_from):
 
 
 @pytest.mark.parametrize("geo, kind", ATTN_CASES, ids=[f"{g[0]}+{g[1]}-h{g[2]}-{k}" for g, k in ATTN_CASES])
-@pytest.mark.parametrize("t_count", [3, 300], ids=["decode", "prefill"])
-def test_geometries(geo, kind, t_count):
-    got, want = run_both(attn_inputs(geo, kind, t_count, 256, seed=t_count))
+@pytest.mark.parametrize("t_count, topk", [(3, 256), (24, 1024), (300, 256)],
+                         ids=["decode", "decode-long-splits", "prefill"])
+def test_geometries(geo, kind, t_count, topk):
+    # 3 tokens: splits of one top-k block (the portable split kernel); 24 tokens of 1024: splits of 4 or
+    # more blocks (the warp-specialized split kernel where the geometry has one)
+    got, want = run_both(attn_inputs(geo, kind, t_count, topk, seed=t_count))
     check_attn(got, want)
 
 
 @pytest.mark.parametrize("kind", ["bf16", "packed", "fp8"])
-@pytest.mark.parametrize("t_count", [5, 300], ids=["decode", "prefill"])
+@pytest.mark.parametrize("t_count", [5, 24, 300], ids=["decode", "decode-long-splits", "prefill"])
 def test_topk_length(kind, t_count):
     inputs = attn_inputs(DEEPSEEK, kind, t_count, 512, seed=7)
     lengths = torch.randint(-3, 600, (t_count,), generator=gen(3), dtype=torch.int32)

@@ -55,9 +55,9 @@ def test_attention_sources(name, kind, target):
     keys = attn_keys(name, kind, target=target)
     # the warp-specialized prefill kernel is CUDA-only and needs 64 heads per block
     ws = target == "cuda" and ATTN[name][2] >= 33
-    assert [k.family for k in keys] == (["attn_prefill_ws", "attn_decode_ws", "combine"] if ws else
+    assert [k.family for k in keys] == (["attn_prefill_ws", "attn_decode_ws", "attn_decode", "combine"] if ws else
                                         ["attn_prefill", "attn_decode", "combine"])
-    for key in keys[:2]:
+    for key in keys[:-1]:
         body = kernel_body(source(key, target))
         has_tail = ATTN[name][1] > 0
         # no tail buffers, copies or GEMMs when d_rope == 0
@@ -70,15 +70,19 @@ def test_attention_sources(name, kind, target):
             assert re.search(r"fp8_e4_t\* __restrict__ q\b", body) and "fp8_e4_t* __restrict__ kv" in body
     if ws:
         for key in keys[:2]:
-            # The producer warpgroup (the code after it gives registers back) synchronizes through its
-            # mbarriers only. A named-barrier sync there would share an id with a consumer warpgroup's:
-            # TileLang 0.1.15 emits one (id 3, also the first consumer's) after cp.async waits, which can
-            # deadlock; the producer therefore uses plain loads.
+            # Each warpgroup role syncs its own warps only through named barriers no other role uses:
+            # a shared id lets warps of two roles complete each other's barrier, a timing-dependent
+            # deadlock (TileLang 0.1.15 gave the producer the first consumer's id after a cp.async wait).
             body = kernel_body(source(key, target))
-            producer = body[body.index("warpgroup_reg_dealloc"):]
-            assert "__sync_thread_partial" not in producer and "__syncthreads" not in producer
-            assert "cp_async" not in body
-    assert "combine_kernel" in source(keys[2], target)
+            roles = re.split(r"warpgroup_reg_(?:alloc|dealloc)<\d+>", body)[1:]
+            assert len(roles) == 3
+            ids = [set(re.findall(r"__sync_thread_partial\((\d+), 128\)", role)) for role in roles]
+            assert not (ids[0] & ids[1] or ids[0] & ids[2] or ids[1] & ids[2]), ids
+            assert all("__syncthreads" not in role for role in roles)
+            # bf16 rows go to shared memory by cp.async and signal the stage barrier when they land
+            assert ("cp_async" in roles[2]) == (kind == "bf16")
+            assert ("mbarrier_cp_async_arrive_noinc" in roles[2]) == (kind == "bf16")
+    assert "combine_kernel" in source(keys[-1], target)
 
 
 def test_tail_gemm_is_compiled_out():
@@ -103,7 +107,7 @@ NVCC = shutil.which("nvcc")
     "key",
     [cache_key("store_k_cache", "656", "int64"), cache_key("gather_dequant_k_cache", "264"),
      *attn_keys("glm-256+0-h64", "bf16"), *attn_keys("deepseek-512+64-h128", "packed", has_len=True)[:2],
-     *attn_keys("deepseek-512+64-h128", "fp8")[:2]],
+     *attn_keys("deepseek-512+64-h128", "fp8")[:2], attn_keys("deepseek-512+64-h128", "bf16")[0]],
     ids=lambda k: k.name,
 )
 def test_cuda_sources_compile_for_sm90a(key):
@@ -113,3 +117,18 @@ def test_cuda_sources_compile_for_sm90a(key):
     cubin = nvcc.compile_cuda(source(key, "cuda"), target_format="cubin", arch=["-arch=sm_90a"],
                               options=["-std=c++20", f"-I{TILELANG_TEMPLATE_PATH}", f"-I{CUTLASS_INCLUDE_DIR}"])
     assert len(cubin) > 1000
+
+
+@pytest.mark.parametrize("tokens, heads, topk, splits", [
+    (1, 64, 2048, 32),  # GLM T1: one block per split, 32 blocks in flight
+    (17, 64, 2112, 7),  # GLM T17: 119 blocks, one wave on 132 SMs (8 splits would be 136: two waves)
+    (1, 128, 2048, 32),  # DeepSeek T1: two head blocks
+    (17, 128, 2048, 3),  # DeepSeek T17: 34 (token, head block) pairs
+    (66, 128, 2048, 1),  # 132 pairs fill the GPU: the prefill path
+    (3, 16, 64, 1),  # one top-k block cannot be split
+])
+def test_decode_split_plan(tokens, heads, topk, splits):
+    plan = _cuda.plan_splits(tokens, heads, topk, sm_count=132)
+    assert plan == splits
+    blocks = tokens * -(-heads // 64) * plan
+    assert plan == 1 or blocks <= 132  # never a second wave
