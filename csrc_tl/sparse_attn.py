@@ -31,7 +31,7 @@ import tilelang.language as T
 
 from sparse_dsa_ops.layout import QUANT_TILE, KCacheLayout
 
-__all__ = ["AttnGeometry", "DEFAULT_TILES", "head_block", "ws_supported", "build_attn", "build_attn_ws",
+__all__ = ["AttnGeometry", "DEFAULT_TILES", "head_block", "ws_supported", "ws_block", "build_attn", "build_attn_ws",
            "build_combine"]
 
 LOG2E = 1.4426950408889634
@@ -152,6 +152,21 @@ def store_rows(out, lse, acc_o, stage, row_lse, t, split_id, h0, col0, heads):
             for h in T.Parallel(hb):
                 if h0 + h < heads:
                     lse[t, h0 + h] = row_lse[h]
+
+
+@T.macro
+def load_q(q, dst, t, h0, col0, heads, tid, nthreads):
+    """``dst[h, d] = q[t, h0 + h, col0 + d]`` as bf16 (0 for heads past the last one), one vector of 8
+    elements per thread and step, by the ``nthreads`` threads numbered ``tid``."""
+    hb, width = dst.shape
+    vecs, per_row = hb * width // 8, width // 8
+    for i in T.unroll(T.ceildiv(vecs, nthreads)):
+        e = i * nthreads + tid
+        h, d = e // per_row, e % per_row * 8
+        if vecs % nthreads == 0 or e < vecs:
+            for v in T.vectorized(8):
+                dst[h, d + v] = T.if_then_else(h0 + h < heads, T.cast(q[t, T.min(h0 + h, heads - 1), col0 + d + v],
+                                                                      dst.dtype), 0)
 
 
 def ws_supported(geo: AttnGeometry) -> bool:
@@ -332,13 +347,21 @@ WS_ROWS_PER_PASS = 16  # rows the producer warpgroup fills at once (8 threads pe
 WS_THREADS_PER_ROW = 8
 
 
-def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int = 64):
+def ws_block(geo: AttnGeometry, split: bool) -> int:
+    """Top-k rows per block of :func:`build_attn_ws`: 128 for the prefill of narrow bf16 rows (two
+    stages of 128 rows still fit beside q; halves the score GEMMs' re-reads of q per row), else 64.
+    The split kernel keeps 64: its splits are whole blocks of the top-k range."""
+    return 128 if not split and geo.kv_kind == "bf16" and geo.d_qk <= 256 else 64
+
+
+def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None = None):
     """Warp-specialized prefill kernel for Hopper (sm_90, CUDA only: mbarriers and setmaxnreg): a
     producer warpgroup gathers (and for a packed pool dequantizes) the next top-k block into the
     other of two shared stages while two consumer warpgroups run the GEMMs and the softmax on the
     current one; the value width is split in halves between the two consumers.
 
-    Same arguments as ``build_attn(geo, split=...)``; needs ``ws_supported(geo)``. With ``split`` it is
+    Same arguments as ``build_attn(geo, split=...)``, with ``block_i`` from :func:`ws_block` unless
+    given; needs ``ws_supported(geo)``. With ``split`` it is
     the decode kernel: the grid's second axis splits the top-k blocks and each split writes its
     normalized float32 partial and LSE for :func:`build_combine`. The producer reads all slot ids of a
     stage first and then issues every row load of the stage predicated, with no branches, so they are
@@ -348,6 +371,8 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int = 64):
     """
     geo.check()
     assert ws_supported(geo), "needs 64 heads per block, d_v a multiple of 128 and d_rope 0 or 64"
+    block_i = ws_block(geo, split) if block_i is None else block_i
+    assert block_i == 64 or not split, "a split kernel works on 64-row blocks"
     d_v, d_tail, heads = geo.d_v, geo.d_rope, geo.heads
     half = d_v // 2
     hb = MAX_HEAD_BLOCK
@@ -435,6 +460,17 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int = 64):
             T.cp_async_barrier_noinc(ready)
 
     @T.macro
+    def stage_q(q, q_l, q_r, qt_s, t, h0, tx, q_ready):
+        """The 256 consumer threads copy this block's q to shared memory (vectorized; the producer
+        starts gathering meanwhile) and arrive on ``q_ready``."""
+        load_q(q, q_l, t, h0, 0, heads, tx, 256)
+        load_q(q, q_r, t, h0, half, heads, tx, 256)
+        if d_tail:
+            load_q(q, qt_s, t, h0, d_v, heads, tx, 256)
+        T.fence_proxy_async()  # generic stores, read by wgmma through the async proxy
+        T.barrier_arrive(q_ready)
+
+    @T.macro
     def attend(q, kv, indices, topk_length, out, lse):
         with T.Kernel(t_count * groups, n_split if split else 1, threads=WS_THREADS) as (bx, by):
             q_l = T.alloc_shared((hb, half), dtype)
@@ -471,6 +507,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int = 64):
             p_ready = T.alloc_barrier(arrive_count=128)
             p_free = T.alloc_barrier(arrive_count=128)
             done = T.alloc_barrier(arrive_count=128)
+            q_ready = T.alloc_barrier(arrive_count=256)
 
             t = bx // groups
             h0 = (bx % groups) * hb
@@ -487,22 +524,14 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int = 64):
                 first, stop = 0, n_valid
             pairs = T.ceildiv(T.max(T.ceildiv(stop, block_i) - first, 0), 2)
 
-            for h, d in T.Parallel(hb, half):
-                q_l[h, d] = T.if_then_else(h0 + h < heads, T.cast(q[t, T.min(h0 + h, heads - 1), d], dtype), 0)
-                q_r[h, d] = T.if_then_else(h0 + h < heads, T.cast(q[t, T.min(h0 + h, heads - 1), half + d], dtype), 0)
-            if d_tail:
-                for h, d in T.Parallel(hb, d_tail):
-                    qt_s[h, d] = T.if_then_else(h0 + h < heads, T.cast(q[t, T.min(h0 + h, heads - 1), d_v + d], dtype),
-                                                0)
-            T.fence_proxy_async()  # q was written by generic stores; wgmma reads it through the async proxy
-            T.sync_threads()
-
             tx = T.get_thread_binding()
             if tx < 128:
                 T.set_max_nreg(240, 1)
+                stage_q(q, q_l, q_r, qt_s, t, h0, tx, q_ready)
                 T.fill(acc_o, 0)
                 T.fill(sumexp, 0)
                 T.fill(m_i, NEG_START)
+                T.barrier_wait(q_ready, 0)
                 for it in T.serial(pairs * 2):
                     phase = (it // 2) & 1
                     if it % 2 == 0:
@@ -548,6 +577,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int = 64):
                 store_rows(out, lse, acc_o, q_l, sum_i, t, by if split else None, h0, 0, heads)
             elif tx >= 128 and tx < 256:
                 T.set_max_nreg(168, 1)
+                stage_q(q, q_l, q_r, qt_s, t, h0, tx, q_ready)
                 T.fill(acc_o_r, 0)
                 for it in T.serial(pairs * 2):
                     T.barrier_wait(p_ready, it & 1)

@@ -241,6 +241,13 @@ def test_glm_decode_coverage(kind, t_count, topk, pad_from):
     check_attn(got, want)
 
 
+@pytest.mark.parametrize("kind", ["bf16", "packed", "fp8"])
+def test_glm_prefill_partial_last_block(kind):
+    # 2112 entries are 16.5 blocks of the 128-row prefill kernel (bf16); 2051 valid, the rest -1
+    got, want = run_both(attn_inputs(GLM, kind, 200, 2112, pad_from=2051))
+    check_attn(got, want)
+
+
 @pytest.mark.parametrize("geo, kind", ATTN_CASES, ids=[f"{g[0]}+{g[1]}-h{g[2]}-{k}" for g, k in ATTN_CASES])
 @pytest.mark.parametrize("t_count, topk", [(3, 256), (24, 1024), (300, 256)],
                          ids=["decode", "decode-long-splits", "prefill"])
