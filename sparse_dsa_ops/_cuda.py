@@ -239,19 +239,23 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-WS_DECODE_MIN_BLOCKS = 3  # top-k blocks per split from which the warp-specialized decode kernel wins
+# Split decode on sm_90 (H200 measurements, BENCHMARKS.md): over bf16 rows the warp-specialized
+# split kernel wins from two top-k blocks per split on (one block leaves it nothing to overlap);
+# over FP8 rows (widened by its producer in registers) only from three, else the portable kernel.
+WS_BF16_SPLIT_BLOCKS = 2
+WS_FP8_MIN_BLOCKS = 3
 
 
-def plan_splits(tokens: int, heads: int, topk: int, sm_count: int) -> int:
+def plan_splits(tokens: int, heads: int, topk: int, sm_count: int, min_blocks: int = 1) -> int:
     """Splits of the top-k range per (token, head block): 1 (the prefill path) once the grid fills the
     GPU, else as many as keep the whole grid in one wave of one block per SM (a second wave of a few
-    blocks doubles the time) and give every split at least one top-k block."""
+    blocks doubles the time) while every split keeps at least ``min_blocks`` top-k blocks."""
     from csrc_tl.sparse_attn import head_block
 
     blocks = tokens * math.ceil(heads / head_block(heads))
     if blocks >= sm_count:
         return 1
-    return max(1, min(topk // TOPK_MULTIPLE, sm_count // blocks))
+    return max(1, min(topk // TOPK_MULTIPLE // min_blocks, sm_count // blocks))
 
 
 def sparse_attn(q, kv, indices, sm_scale, d_v, topk_length=None):
@@ -275,15 +279,20 @@ def sparse_attn(q, kv, indices, sm_scale, d_v, topk_length=None):
         return out, lse
     q, idx = q.contiguous(), idx.contiguous()
     lengths = [] if topk_length is None else [topk_length.contiguous()]
+    q_fp8 = q.dtype == torch.float8_e4m3fn
     splits = plan_splits(t_count, heads, topk, _sm_count(q.device))
-    keys = attn_keys(kind, d_v, d_rope, heads, sm_scale, topk_length is not None,
-                     paths=("prefill",) if splits == 1 else ("decode",), q_fp8=q.dtype == torch.float8_e4m3fn)
+    if splits > 1:
+        keys = attn_keys(kind, d_v, d_rope, heads, sm_scale, topk_length is not None, paths=("decode",), q_fp8=q_fp8)
+        ws = len(keys) == 3  # [decode_ws, decode, combine]
+        if ws and kind == "bf16":
+            splits = plan_splits(t_count, heads, topk, _sm_count(q.device), WS_BF16_SPLIT_BLOCKS)
+        blocks_per_split = math.ceil(topk // TOPK_MULTIPLE / splits)
+        split_key = keys[0] if ws and (kind == "bf16" or blocks_per_split >= WS_FP8_MIN_BLOCKS) else keys[-2]
     if splits == 1:
-        kernel(keys[0])(q, pool, idx, *lengths, out, lse)
+        key = attn_keys(kind, d_v, d_rope, heads, sm_scale, topk_length is not None, paths=("prefill",),
+                        q_fp8=q_fp8)[0]
+        kernel(key)(q, pool, idx, *lengths, out, lse)
         return out, lse
-    # keys: [decode_ws,] decode, combine; the warp-specialized one for splits of several blocks
-    blocks_per_split = math.ceil(topk // TOPK_MULTIPLE / splits)
-    split_key = keys[0] if len(keys) == 3 and blocks_per_split >= WS_DECODE_MIN_BLOCKS else keys[-2]
     part_out = torch.empty(t_count, splits, heads, d_v, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(t_count, splits, heads, dtype=torch.float32, device=q.device)
     kernel(split_key)(q, pool, idx, *lengths, part_out, part_lse)

@@ -119,16 +119,18 @@ def test_cuda_sources_compile_for_sm90a(key):
     assert len(cubin) > 1000
 
 
-@pytest.mark.parametrize("tokens, heads, topk, splits", [
-    (1, 64, 2048, 32),  # GLM T1: one block per split, 32 blocks in flight
-    (17, 64, 2112, 7),  # GLM T17: 119 blocks, one wave on 132 SMs (8 splits would be 136: two waves)
-    (1, 128, 2048, 32),  # DeepSeek T1: two head blocks
-    (17, 128, 2048, 3),  # DeepSeek T17: 34 (token, head block) pairs
-    (66, 128, 2048, 1),  # 132 pairs fill the GPU: the prefill path
-    (3, 16, 64, 1),  # one top-k block cannot be split
+@pytest.mark.parametrize("tokens, heads, topk, min_blocks, splits", [
+    (1, 64, 2048, 1, 32),  # GLM T1: one block per split, 32 blocks in flight
+    (1, 64, 2048, 2, 16),  # the same for the bf16 warp-specialized split kernel (two blocks per split)
+    (17, 64, 2112, 1, 7),  # GLM T17: 119 blocks, one wave on 132 SMs (8 splits would be 136: two waves)
+    (1, 128, 2048, 1, 32),  # DeepSeek T1: two head blocks
+    (17, 128, 2048, 2, 3),  # DeepSeek T17: 34 (token, head block) pairs
+    (66, 128, 2048, 1, 1),  # 132 pairs fill the GPU: the prefill path
+    (3, 16, 64, 1, 1),  # one top-k block cannot be split
+    (3, 64, 64, 2, 1),
 ])
-def test_decode_split_plan(tokens, heads, topk, splits):
-    plan = _cuda.plan_splits(tokens, heads, topk, sm_count=132)
+def test_decode_split_plan(tokens, heads, topk, min_blocks, splits):
+    plan = _cuda.plan_splits(tokens, heads, topk, 132, min_blocks)
     assert plan == splits
-    blocks = tokens * -(-heads // 64) * plan
-    assert plan == 1 or blocks <= 132  # never a second wave
+    assert plan == 1 or tokens * -(-heads // 64) * plan <= 132  # never a second wave
+    assert plan == 1 or topk // 64 // plan >= min_blocks
