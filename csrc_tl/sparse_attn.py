@@ -21,8 +21,8 @@ With ``d_rope == 0`` the tail is compiled out: no tail buffers, copies or GEMMs 
 FP8 inputs (native float8_e4m3fn q or kv, and the values of a packed row) are widened to bf16 on
 their way into shared memory and the GEMMs run in bf16: every e4m3 value is exactly a bf16 value,
 so this adds no error. The FP8 tensor-core path is not used: it would need the probabilities in
-FP8 for the PV product (3 mantissa bits, about 6% per entry), and these kernels are bound by the
-row gather, not by the tensor cores.
+FP8 for the PV product (3 mantissa bits, about 6% per entry), and with FP8 rows the kernels are
+bound by the producer's gather and widening, not by the tensor cores (BENCHMARKS.md).
 """
 
 from dataclasses import dataclass
