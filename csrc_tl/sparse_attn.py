@@ -18,6 +18,10 @@ and ``part_lse [T, NS, H]`` float32.
 
 With ``d_rope == 0`` the tail is compiled out: no tail buffers, copies or GEMMs exist.
 
+On Hopper, :func:`build_attn_ws` builds the same two paths warp-specialized (for 64-head blocks): a
+producer warpgroup gathers the next top-k block into one of two shared stages while warpgroup 0
+runs the score GEMMs, the softmax and the left half of PV and warpgroup 1 the right half of PV.
+
 FP8 inputs (native float8_e4m3fn q or kv, and the values of a packed row) are widened to bf16 on
 their way into shared memory and the GEMMs run in bf16: every e4m3 value is exactly a bf16 value,
 so this adds no error. The FP8 tensor-core path is not used: it would need the probabilities in
