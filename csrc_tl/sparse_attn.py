@@ -529,6 +529,8 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
             pairs = T.ceildiv(T.max(T.ceildiv(stop, block_i) - first, 0), 2)
 
             tx = T.get_thread_binding()
+            # setmaxnreg moves registers between warpgroups of the CTA: the three budgets must fit the
+            # 3 * 168 it launched with (240 + 168 + 104 hangs the kernel)
             if tx < 128:
                 T.set_max_nreg(240, 1)
                 stage_q(q, q_l, q_r, qt_s, t, h0, tx, q_ready)
