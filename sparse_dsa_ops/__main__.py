@@ -262,9 +262,9 @@ def _attn_case(name, kind, d_nope, d_rope, heads, tokens, slots, topk):
     from . import _cuda
 
     flops = 2 * tokens * heads * topk * (2 * d_nope + d_rope)
-    keys = _cuda.attn_keys(kind, d_nope, d_rope, heads, (d_nope + d_rope) ** -0.5, False,
-                           q_fp8=kind == "fp8")
-    return dict(name=name, op="sparse_attn", make=make, flops=flops, bytes=None, keys=keys)
+    plan = _cuda.plan_attn(kind, d_nope, d_rope, heads, (d_nope + d_rope) ** -0.5, False, kind == "fp8", tokens, topk,
+                           torch.cuda.get_device_properties(0).multi_processor_count)
+    return dict(name=name, op="sparse_attn", make=make, flops=flops, bytes=None, keys=list(plan.keys), path=str(plan))
 
 
 def _cache_case(name, op, d_nope, d_rope, rows):
@@ -290,7 +290,8 @@ def _cache_case(name, op, d_nope, d_rope, rows):
     from . import _cuda
 
     keys = _cuda.cache_keys(op, lay, slot_dtype="int32")
-    return dict(name=name, op=op, make=make, flops=None, bytes=rows * (in_bytes + out_bytes), keys=keys)
+    return dict(name=name, op=op, make=make, flops=None, bytes=rows * (in_bytes + out_bytes), keys=keys,
+                path=keys[0].family)
 
 
 def bench_cases() -> list[dict]:
@@ -338,16 +339,16 @@ def bench(args: argparse.Namespace) -> int:
             op(*inputs)  # compiles outside the capture
             us = _graph_time_us(lambda op=op, inputs=inputs: op(*inputs))
         except Exception as err:  # keep measuring the other cases
-            rows.append([case["name"], "ERROR", f"{type(err).__name__}: {err}"[:80], ""])
+            rows.append([case["name"], case["path"], "ERROR", f"{type(err).__name__}: {err}"[:80], ""])
             continue
         if case["flops"]:
             rate, unit, ratio = case["flops"] / us / 1e6, "TFLOPS", case["flops"] / us / 1e6 / ceil["matmul_tflops"]
         else:
             rate, unit, ratio = case["bytes"] / us / 1e3, "GB/s", case["bytes"] / us / 1e3 / ceil["copy_gbps"]
-        rows.append([case["name"], f"{us:.1f}", f"{rate:.0f} {unit}", f"{ratio:.0%}"])
-        records.append(dict(case=case["name"], us=us, rate=rate, unit=unit, ratio_to_ceiling=ratio))
+        rows.append([case["name"], case["path"], f"{us:.1f}", f"{rate:.0f} {unit}", f"{ratio:.0%}"])
+        records.append(dict(case=case["name"], path=case["path"], us=us, rate=rate, unit=unit, ratio_to_ceiling=ratio))
         del inputs
-    print(format_table(["case", "us", "rate", "of ceiling"], rows))
+    print(format_table(["case", "kernels", "us", "rate", "of ceiling"], rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(environment=dict(environment()), ceilings=ceil, rows=records), f, indent=1)

@@ -23,7 +23,7 @@ import torch
 from .layout import KCacheLayout
 from .ops import TOPK_MULTIPLE
 
-__all__ = ["IMPLS", "KernelKey", "lower_source", "warmup", "attn_keys", "cache_keys"]
+__all__ = ["IMPLS", "KernelKey", "AttnPlan", "lower_source", "warmup", "attn_keys", "plan_attn", "cache_keys"]
 
 TARGETS = {"cuda": {"kind": "cuda", "arch": "sm_90a"}, "hip": {"kind": "hip", "mcpu": "gfx950"}}
 
@@ -258,6 +258,38 @@ def plan_splits(tokens: int, heads: int, topk: int, sm_count: int, min_blocks: i
     return max(1, min(topk // TOPK_MULTIPLE // min_blocks, sm_count // blocks))
 
 
+@dataclass(frozen=True)
+class AttnPlan:
+    """What ``sparse_attn`` launches for one call: the prefill kernel alone (``splits == 1``), or a
+    split kernel over ``splits`` parts of the top-k range followed by the combine."""
+
+    keys: tuple  # (prefill,) or (split kernel, combine)
+    splits: int
+
+    def __str__(self) -> str:
+        if self.splits == 1:
+            return self.keys[0].family
+        return f"{self.keys[0].family} x{self.splits} + combine"
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_attn(kv_kind: str, d_v: int, d_rope: int, heads: int, sm_scale: float, has_topk_length: bool, q_fp8: bool,
+              tokens: int, topk: int, sm_count: int, target: str | None = None) -> AttnPlan:
+    """The kernels and split count for one call (``target`` as in :func:`attn_keys`)."""
+    geo = (kv_kind, d_v, d_rope, heads, sm_scale, has_topk_length)
+    splits = plan_splits(tokens, heads, topk, sm_count)
+    if splits > 1:
+        keys = attn_keys(*geo, paths=("decode",), target=target, q_fp8=q_fp8)
+        ws = len(keys) == 3  # [decode_ws, decode, combine]
+        if ws and kv_kind == "bf16":
+            splits = plan_splits(tokens, heads, topk, sm_count, WS_BF16_SPLIT_BLOCKS)
+        if splits > 1:
+            blocks_per_split = math.ceil(topk // TOPK_MULTIPLE / splits)
+            use_ws = ws and (kv_kind == "bf16" or blocks_per_split >= WS_FP8_MIN_BLOCKS)
+            return AttnPlan((keys[0] if use_ws else keys[-2], keys[-1]), splits)
+    return AttnPlan(tuple(attn_keys(*geo, paths=("prefill",), target=target, q_fp8=q_fp8)), 1)
+
+
 def sparse_attn(q, kv, indices, sm_scale, d_v, topk_length=None):
     t_count, heads, d_qk = q.shape
     d_rope = d_qk - d_v
@@ -279,24 +311,15 @@ def sparse_attn(q, kv, indices, sm_scale, d_v, topk_length=None):
         return out, lse
     q, idx = q.contiguous(), idx.contiguous()
     lengths = [] if topk_length is None else [topk_length.contiguous()]
-    q_fp8 = q.dtype == torch.float8_e4m3fn
-    splits = plan_splits(t_count, heads, topk, _sm_count(q.device))
-    if splits > 1:
-        keys = attn_keys(kind, d_v, d_rope, heads, sm_scale, topk_length is not None, paths=("decode",), q_fp8=q_fp8)
-        ws = len(keys) == 3  # [decode_ws, decode, combine]
-        if ws and kind == "bf16":
-            splits = plan_splits(t_count, heads, topk, _sm_count(q.device), WS_BF16_SPLIT_BLOCKS)
-        blocks_per_split = math.ceil(topk // TOPK_MULTIPLE / splits)
-        split_key = keys[0] if ws and (kind == "bf16" or blocks_per_split >= WS_FP8_MIN_BLOCKS) else keys[-2]
-    if splits == 1:
-        key = attn_keys(kind, d_v, d_rope, heads, sm_scale, topk_length is not None, paths=("prefill",),
-                        q_fp8=q_fp8)[0]
-        kernel(key)(q, pool, idx, *lengths, out, lse)
+    plan = plan_attn(kind, d_v, d_rope, heads, sm_scale, topk_length is not None, q.dtype == torch.float8_e4m3fn,
+                     t_count, topk, _sm_count(q.device))
+    if plan.splits == 1:
+        kernel(plan.keys[0])(q, pool, idx, *lengths, out, lse)
         return out, lse
-    part_out = torch.empty(t_count, splits, heads, d_v, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(t_count, splits, heads, dtype=torch.float32, device=q.device)
-    kernel(split_key)(q, pool, idx, *lengths, part_out, part_lse)
-    kernel(keys[-1])(part_out, part_lse, out, lse)
+    part_out = torch.empty(t_count, plan.splits, heads, d_v, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(t_count, plan.splits, heads, dtype=torch.float32, device=q.device)
+    kernel(plan.keys[0])(q, pool, idx, *lengths, part_out, part_lse)
+    kernel(plan.keys[1])(part_out, part_lse, out, lse)
     return out, lse
 
 

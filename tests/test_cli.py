@@ -26,3 +26,27 @@ def test_unknown_command_exits_with_usage(capsys):
 
 def test_format_table_aligns_columns():
     assert format_table(["a", "bb"], [["ccc", "d"]]).splitlines() == ["a    bb", "---  --", "ccc  d"]
+
+
+def test_bench_cases_name_their_kernels(monkeypatch):
+    # the case table is built without a GPU here (an H200's 132 SMs), so the kernel column can be checked
+    from types import SimpleNamespace
+
+    import torch
+
+    from sparse_dsa_ops import _cuda
+    from sparse_dsa_ops.__main__ import bench_cases
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(_cuda, "_is_hopper", lambda: True)
+    _cuda.plan_attn.cache_clear()  # plans are cached per process; this one pretends to be an H200
+    try:
+        cases = {c["name"]: c for c in bench_cases()}
+    finally:
+        _cuda.plan_attn.cache_clear()
+    assert cases["decode glm bf16 T1 S65536 H64 k2048"]["path"] == "attn_decode_ws x16 + combine"
+    assert cases["decode glm packed T1 S65536 H64 k2048"]["path"] == "attn_decode x32 + combine"
+    assert cases["prefill deepseek bf16 T4096 S8192 H128 k2048"]["path"] == "attn_prefill_ws"
+    assert cases["dequant_k_cache glm 1M rows"]["path"] == "dequant"
+    for case in cases.values():
+        assert [k.family for k in case["keys"]][0] in case["path"]

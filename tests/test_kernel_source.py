@@ -139,3 +139,20 @@ def test_decode_split_plan(tokens, heads, topk, min_blocks, splits):
     assert plan == splits
     assert plan == 1 or tokens * -(-heads // 64) * plan <= 132  # never a second wave
     assert plan == 1 or topk // 64 // plan >= min_blocks
+
+
+@pytest.mark.parametrize("kind, geo, tokens, topk, target, plan", [
+    ("bf16", "glm-256+0-h64", 1, 2048, "cuda", "attn_decode_ws x16 + combine"),
+    ("bf16", "glm-256+0-h64", 17, 2112, "cuda", "attn_decode_ws x7 + combine"),
+    ("bf16", "deepseek-512+64-h128", 1, 2048, "cuda", "attn_decode_ws x16 + combine"),
+    ("packed", "glm-256+0-h64", 1, 2048, "cuda", "attn_decode x32 + combine"),  # FP8 rows, 1 block a split
+    ("packed", "glm-256+0-h64", 17, 2112, "cuda", "attn_decode_ws x7 + combine"),
+    ("packed", "deepseek-512+64-h128", 256, 2048, "cuda", "attn_prefill_ws"),
+    ("bf16", "glm-256+0-h64", 1, 2048, "hip", "attn_decode x32 + combine"),  # no warp specialization
+    ("bf16", "512+0-h16", 300, 2048, "cuda", "attn_prefill"),  # 16 heads: the portable kernels
+])
+def test_attention_plan(kind, geo, tokens, topk, target, plan):
+    d_v, d_rope, heads = ATTN[geo]
+    got = _cuda.plan_attn(kind, d_v, d_rope, heads, (d_v + d_rope) ** -0.5, False, False, tokens, topk, 132, target)
+    assert str(got) == plan
+    assert got.keys[-1].family == ("combine" if got.splits > 1 else got.keys[0].family)
