@@ -44,6 +44,7 @@ def warmup(
     round_scale: tuple[bool, ...] = (False, True),
     slot_dtypes: tuple[str, ...] = ("int32", "int64"),
     progress: bool = True,
+    workers: int = 8,
 ) -> None:
     """Compile, in parallel and ahead of time, every GPU kernel one model geometry can use.
 
@@ -55,6 +56,7 @@ def warmup(
     "packed" (uint8 FP8 rows); ``fp8_q`` whether q is bf16 (False), float8_e4m3fn (True) or either
     ``(False, True)`` (a float8 q only goes with "fp8" or "packed" kv). ``topk_length`` says whether
     calls pass lengths; ``cache_ops``, ``round_scale`` and ``slot_dtypes`` pick the cache kernels.
+    ``workers`` threads lower and build kernels at once (``workers=1``: one at a time).
     """
     lay = KCacheLayout(d_nope, d_rope)
     keys = []
@@ -70,7 +72,7 @@ def warmup(
             keys += _cuda.cache_keys("gather_k_cache", lay, slot_dtype=slot)
             keys += _cuda.cache_keys("gather_dequant_k_cache", lay, slot_dtype=slot)
         keys += _cuda.cache_keys("dequant_k_cache", lay)
-    _cuda.warmup(keys, progress=progress)
+    _cuda.warmup(keys, workers=workers, progress=progress)
 
 
 __version__ = "0.1.0"
