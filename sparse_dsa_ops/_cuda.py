@@ -84,10 +84,10 @@ def attn_keys(kv_kind: str, d_v: int, d_rope: int, heads: int, sm_scale: float, 
     """The kernels ``sparse_attn`` runs for one geometry on ``target`` (default: this machine's), in
     this order: the prefill kernel; the split decode kernels; the decode's combine (last).
 
-    Where the geometry allows on sm_90 CUDA, prefill is warp-specialized and decode has both the
-    warp-specialized split kernel (for splits of several top-k blocks) and the portable one (for
-    splits of one or two blocks, where its shorter start wins). ``kv_kind`` is "bf16", "fp8" or
-    "packed"; ``q_fp8`` picks the kernels for a float8_e4m3fn q."""
+    Where the geometry allows on sm_90 CUDA, prefill and split decode are warp-specialized; over FP8
+    rows decode also has the portable split kernel, for splits of one or two top-k blocks (where its
+    shorter start wins, see :func:`plan_attn`). ``kv_kind`` is "bf16", "fp8" or "packed"; ``q_fp8``
+    picks the kernels for a float8_e4m3fn q."""
     from csrc_tl.sparse_attn import AttnGeometry, ws_supported
 
     geo = AttnGeometry(d_v, d_rope, heads, kv_kind, has_topk_length, float(sm_scale), q_fp8)
@@ -99,7 +99,8 @@ def attn_keys(kv_kind: str, d_v: int, d_rope: int, heads: int, sm_scale: float, 
         keys.append(KernelKey("attn_prefill_ws" if ws else "attn_prefill", geo))
     if "decode" in paths:
         keys += [KernelKey("attn_decode_ws", geo)] if ws else []
-        keys += [KernelKey("attn_decode", geo), KernelKey("combine", (d_v, heads))]
+        keys += [KernelKey("attn_decode", geo)] if not ws or kv_kind != "bf16" else []
+        keys.append(KernelKey("combine", (d_v, heads)))
     return keys
 
 
@@ -280,7 +281,7 @@ def plan_attn(kv_kind: str, d_v: int, d_rope: int, heads: int, sm_scale: float, 
     splits = plan_splits(tokens, heads, topk, sm_count)
     if splits > 1:
         keys = attn_keys(*geo, paths=("decode",), target=target, q_fp8=q_fp8)
-        ws = len(keys) == 3  # [decode_ws, decode, combine]
+        ws = keys[0].family == "attn_decode_ws"  # keys: [decode_ws,] [decode,] combine
         if ws and kv_kind == "bf16":
             splits = plan_splits(tokens, heads, topk, sm_count, WS_BF16_SPLIT_BLOCKS)
         if splits > 1:
