@@ -81,8 +81,11 @@ def test_attention_sources(name, kind, target):
             ids = [set(re.findall(r"__sync_thread_partial\((\d+), 128\)", role)) for role in roles]
             assert not (ids[0] & ids[1] or ids[0] & ids[2] or ids[1] & ids[2]), ids
             assert all("__syncthreads" not in role for role in roles)
-            # bf16 rows go to shared memory by cp.async and signal the stage barrier when they land
-            assert ("cp_async" in roles[2]) == (kind == "bf16")
+            # bf16 rows go to shared memory by cp.async and signal the stage barrier when they land;
+            # 256-wide FP8 rows are staged raw by cp.async and widened shared-to-shared
+            staged = kind != "bf16" and ATTN[name][0] == 256
+            assert ("cp_async" in roles[2]) == (kind == "bf16" or staged)
+            assert ("cp_async_wait" in roles[2]) == staged
             assert ("mbarrier_cp_async_arrive_noinc" in roles[2]) == (kind == "bf16")
             # q reaches shared memory in 16-byte vectors: a scalar copy (what TileLang makes of a
             # [64, d] tile over 384 threads) once took ~23% of the kernel's time
