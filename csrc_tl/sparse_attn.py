@@ -362,19 +362,18 @@ SMEM_LIMIT = 227 * 1024  # dynamic shared memory one sm_90 block may use
 
 
 def ws_staged(geo: AttnGeometry, block_i: int = 64) -> bool:
-    """Whether :func:`build_attn_ws` stages FP8 rows raw: the producer copies the rows of the next
-    top-k block into a raw shared buffer by cp.async (no registers, no wait) while it widens the
-    current block shared-to-shared, so the gather of one block overlaps the widening of the other.
-    Needs the two raw stages to fit beside q and the two bf16 stages (the 256-wide rows do; the
-    512+64 rows do not, and widen in registers)."""
+    """Whether :func:`build_attn_ws` stages FP8 rows raw: the producer copies the rows of top-k block
+    ``b + 1`` into one of two raw shared buffers by cp.async (no registers, no wait) while it widens
+    block ``b`` shared-to-shared, so the gather of one block runs behind the widening of the other.
+    Needs the raw stages to fit beside q and the two bf16 stages: the 256-wide rows fit, the 512+64
+    rows do not (they widen in registers)."""
     if geo.kv_kind == "bf16":
         return False
     hb, d_qk = MAX_HEAD_BLOCK, geo.d_qk
     raw_row = geo.d_v + geo.d_rope * (2 if geo.kv_kind == "packed" else 1)
     if geo.kv_kind == "packed":
         raw_row += WS_THREADS_PER_ROW * 4 * (geo.d_v // QUANT_TILE)  # each lane's copy of the row's scales
-    used = 2 * hb * d_qk + 2 * 2 * block_i * d_qk + 2 * block_i * raw_row + 2 * hb * block_i + 4096
-    return used <= SMEM_LIMIT
+    return 2 * hb * d_qk + 2 * 2 * block_i * d_qk + 2 * block_i * raw_row + 2 * hb * block_i + 4096 <= SMEM_LIMIT
 
 
 def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None = None):
@@ -412,7 +411,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
     t_count, s_count, k_count, n_split = T.dynamic("t"), T.dynamic("s"), T.dynamic("k"), T.dynamic("ns")
     copies_async = geo.kv_kind == "bf16"  # bf16 rows go to shared memory as they are, by cp.async
     ready_count = 256 if copies_async else 128  # producer threads arrive once, or twice with cp.async
-    staged = ws_staged(geo, block_i)  # FP8 rows: raw cp.async one block ahead, widened shared-to-shared
+    staged = ws_staged(geo, block_i)
     n_tiles = d_v // QUANT_TILE
     piece = 16 if row_w % 16 == 0 else 8  # bytes of one cp.async of FP8 values (row starts are piece-aligned)
 
@@ -422,11 +421,22 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         return T.cast(x if scale is None else x * scale, dtype)
 
     @T.macro
-    def produce(kv, indices, t, blk, stop, dst_l, dst_r, dst_t, ok_s, ready, free, phase):
+    def load_index(indices, t, blk, slot):
+        """``slot[p]``: the raw index of this thread's row in pass ``p`` of top-k block ``blk`` (clamped
+        into the row, unchecked). Nothing here reads the loaded values, so the loads stay in flight
+        until :func:`issue_raw` checks them, a block later."""
+        tx = T.get_thread_binding() - 2 * 128
+        for p in T.unroll(passes):
+            pos = blk * block_i + p * WS_ROWS_PER_PASS + tx // WS_THREADS_PER_ROW
+            slot[p] = indices[t, T.min(pos, k_count - 1)]
+
+    @T.macro
+    def produce(kv, indices, t, blk, stop, nxt, slot, dst_l, dst_r, dst_t, ok_s, ready, free, phase):
+        """Gather top-k block ``blk`` into a stage; its raw indices ``nxt`` were loaded one block
+        earlier, and this loads those of ``blk + 1`` into ``nxt`` (in flight while it gathers)."""
         T.barrier_wait(free, phase ^ 1)
         tx = T.get_thread_binding() - 2 * 128
         lane = tx % WS_THREADS_PER_ROW
-        slot = T.alloc_local((passes,), T.int32)
         if packed:
             values = T.view(kv, (s_count, row_w), T.float8_e4m3fn)
             scales = T.view(kv, (s_count, row_w // 4), T.float32)
@@ -435,10 +445,10 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         # become zeros and are never dereferenced), so the loads of a stage are all in flight at once
         for p in T.unroll(passes):
             j = p * WS_ROWS_PER_PASS + tx // WS_THREADS_PER_ROW
-            pos = blk * block_i + j
-            raw = T.if_then_else(pos < stop, indices[t, T.min(pos, k_count - 1)], -1)
-            slot[p] = T.if_then_else((raw >= 0) & (raw < s_count), raw, -1)
-            ok_s[j] = T.if_then_else(slot[p] >= 0, 1, 0)
+            ok = (blk * block_i + j < stop) & (nxt[p] >= 0) & (nxt[p] < s_count)
+            slot[p] = T.if_then_else(ok, nxt[p], -1)
+            ok_s[j] = T.if_then_else(ok, 1, 0)
+        load_index(indices, t, blk + 1, nxt)
         for p in T.unroll(passes):
             j = p * WS_ROWS_PER_PASS + tx // WS_THREADS_PER_ROW
             ok = slot[p] >= 0
@@ -486,18 +496,11 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
             T.cp_async_barrier_noinc(ready)
 
     @T.macro
-    def load_slots(indices, t, blk, stop, slot):
-        """``slot[p]``: the pool row of this thread's row in pass ``p`` of top-k block ``blk``, -1 if invalid."""
-        tx = T.get_thread_binding() - 2 * 128
-        for p in T.unroll(passes):
-            pos = blk * block_i + p * WS_ROWS_PER_PASS + tx // WS_THREADS_PER_ROW
-            raw = T.if_then_else(pos < stop, indices[t, T.min(pos, k_count - 1)], -1)
-            slot[p] = T.if_then_else((raw >= 0) & (raw < s_count), raw, -1)
-
-    @T.macro
-    def issue_raw(kv, slot, raw_v, raw_t, raw_sc):
-        """cp.async of the bytes this thread will widen (its chunks of its rows, and for a packed row
-        its own copy of the row's scales) into the raw stage; zeros for invalid rows. One commit group."""
+    def issue_raw(kv, slot, blk, stop, ok, raw_v, raw_t, raw_sc):
+        """cp.async of the bytes this thread will widen for top-k block ``blk`` (its chunks of its rows,
+        and for a packed row its own copy of the row's scales; raw indices in ``slot``) into a raw
+        stage, zeros for invalid entries, and ``ok[p]`` whether its row of pass ``p`` is valid. One
+        commit group, also when every entry is invalid (the waits count groups)."""
         tx = T.get_thread_binding() - 2 * 128
         lane = tx % WS_THREADS_PER_ROW
         if packed:
@@ -506,33 +509,34 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
             tails = T.view(kv, (s_count, row_w // 2), dtype)
         for p in T.unroll(passes):
             j = p * WS_ROWS_PER_PASS + tx // WS_THREADS_PER_ROW
-            ok = slot[p] >= 0
-            row = T.max(slot[p], 0)
+            ok[p] = T.if_then_else((blk * block_i + j < stop) & (slot[p] >= 0) & (slot[p] < s_count), 1, 0)
+            row = T.if_then_else(ok[p] != 0, slot[p], 0)
             for c in T.unroll(chunks // 2):
                 col = (c * WS_THREADS_PER_ROW + lane) * vec
                 for k in T.unroll(vec // piece):
                     for base in (0, half):
                         src = values[row, base + col + k * piece] if packed else kv[row, base + col + k * piece]
                         T.ptx_cp_async(T.access_ptr(raw_v[j, base + col + k * piece], "w", piece),
-                                       T.access_ptr(src, "r", piece), piece, predicate=ok)
+                                       T.access_ptr(src, "r", piece), piece, predicate=ok[p] != 0)
             if packed:
                 T.ptx_cp_async(T.access_ptr(raw_sc[j, lane, 0], "w", n_tiles),
-                               T.access_ptr(scales[row, scale_word], "r", n_tiles), n_tiles, predicate=ok)
+                               T.access_ptr(scales[row, scale_word], "r", n_tiles), n_tiles, predicate=ok[p] != 0)
             if d_tail:
                 for c in T.unroll(tail_chunks):
                     col = (c * WS_THREADS_PER_ROW + lane) * 8
                     src = tails[row, rope_half + col] if packed else kv[row, d_v + col]
-                    T.ptx_cp_async(T.access_ptr(raw_t[j, col], "w", 8), T.access_ptr(src, "r", 8), 8, predicate=ok)
+                    T.ptx_cp_async(T.access_ptr(raw_t[j, col], "w", 8), T.access_ptr(src, "r", 8), 8,
+                                   predicate=ok[p] != 0)
         T.ptx_commit_group()
 
     @T.macro
-    def widen_raw(slot, raw_v, raw_t, raw_sc, dst_l, dst_r, dst_t, ok_s):
-        """Widen this thread's bytes of the raw stage into the bf16 stage (zeros stay zeros)."""
+    def widen_raw(ok, raw_v, raw_t, raw_sc, dst_l, dst_r, dst_t, ok_s):
+        """Widen this thread's bytes of a raw stage into the bf16 stage (zeros stay zeros)."""
         tx = T.get_thread_binding() - 2 * 128
         lane = tx % WS_THREADS_PER_ROW
         for p in T.unroll(passes):
             j = p * WS_ROWS_PER_PASS + tx // WS_THREADS_PER_ROW
-            ok_s[j] = T.if_then_else(slot[p] >= 0, 1, 0)
+            ok_s[j] = ok[p]
             for c in T.unroll(chunks // 2):
                 col = (c * WS_THREADS_PER_ROW + lane) * vec
                 if packed:
@@ -554,22 +558,20 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                         dst_t[j, col + v] = T.cast(raw_t[j, col + v], dtype)
 
     @T.macro
-    def produce_staged(kv, indices, t, blk, stop, cur, nxt, nn, raw_next, raw_now, dst_l, dst_r, dst_t, ok_s, ready,
-                       free, phase):
-        """One top-k block of the staged producer: start the raw copy of block ``blk + 1`` and the index
-        loads of ``blk + 2``, then widen block ``blk`` (its raw copy was started one block earlier)."""
-        issue_raw(kv, nxt, *raw_next)
-        load_slots(indices, t, blk + 2, stop, nn)
-        # this thread's copies of block blk have landed (its own bytes only: no barrier needed, and
+    def produce_staged(kv, indices, t, blk, stop, nxt, ok_now, ok_next, raw_next, raw_now, dst_l, dst_r, dst_t, ok_s,
+                       ready, free, phase):
+        """One top-k block of the staged producer: start the raw copy of block ``blk + 1`` (its indices
+        ``nxt`` were loaded one block earlier) and the index loads of ``blk + 2``, then widen block
+        ``blk``, whose raw copy was started one block earlier."""
+        issue_raw(kv, nxt, blk + 1, stop, ok_next, *raw_next)
+        load_index(indices, t, blk + 2, nxt)
+        # this thread's copies of block blk have landed (its own bytes only, so no barrier; and
         # T.ptx_wait_group would add a block-wide one)
         T.call_extern("handle", "tl::cp_async_wait<1>")
         T.barrier_wait(free, phase ^ 1)
-        widen_raw(cur, *raw_now, dst_l, dst_r, dst_t, ok_s)
+        widen_raw(ok_now, *raw_now, dst_l, dst_r, dst_t, ok_s)
         T.fence_proxy_async()
         T.barrier_arrive(ready)
-        for p in T.unroll(passes):
-            cur[p] = nxt[p]
-            nxt[p] = nn[p]
 
     @T.macro
     def stage_q(q, q_l, q_r, qt_s, t, h0, tx, q_ready):
@@ -598,13 +600,11 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
             else:
                 qt_s = kt_s0 = kt_s1 = None
             if staged:
-                raw_dtype = T.bfloat16 if packed else T.float8_e4m3fn
-                raw0 = (T.alloc_shared((block_i, d_v), T.float8_e4m3fn),
-                        T.alloc_shared((block_i, d_tail), raw_dtype) if d_tail else None,
-                        T.alloc_shared((block_i, WS_THREADS_PER_ROW, n_tiles), acc) if packed else None)
-                raw1 = (T.alloc_shared((block_i, d_v), T.float8_e4m3fn),
-                        T.alloc_shared((block_i, d_tail), raw_dtype) if d_tail else None,
-                        T.alloc_shared((block_i, WS_THREADS_PER_ROW, n_tiles), acc) if packed else None)
+                raw0, raw1 = [(T.alloc_shared((block_i, d_v), T.float8_e4m3fn),
+                               T.alloc_shared((block_i, d_tail), dtype if packed else T.float8_e4m3fn)
+                               if d_tail else None,
+                               T.alloc_shared((block_i, WS_THREADS_PER_ROW, n_tiles), acc) if packed else None)
+                              for _ in range(2)]
             ok0 = T.alloc_shared((block_i,), T.int32)
             ok1 = T.alloc_shared((block_i,), T.int32)
             p_s = T.alloc_shared((hb, block_i), dtype)
@@ -721,25 +721,28 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
             elif tx >= 256:
                 T.set_max_nreg(80, 0)
                 if staged:
-                    cur = T.alloc_local((passes,), T.int32)
                     nxt = T.alloc_local((passes,), T.int32)
-                    nn = T.alloc_local((passes,), T.int32)
-                    load_slots(indices, t, first, stop, cur)
-                    issue_raw(kv, cur, *raw0)
-                    load_slots(indices, t, first + 1, stop, nxt)
+                    ok_a = T.alloc_local((passes,), T.int32)  # valid rows of the block in raw0
+                    ok_b = T.alloc_local((passes,), T.int32)  # ... in raw1
+                    load_index(indices, t, first, nxt)
+                    issue_raw(kv, nxt, first, stop, ok_a, *raw0)
+                    load_index(indices, t, first + 1, nxt)
                     for pair in T.serial(pairs):
                         blk = first + 2 * pair
-                        produce_staged(kv, indices, t, blk, stop, cur, nxt, nn, raw1, raw0, kv_l0, kv_r0, kt_s0, ok0,
+                        produce_staged(kv, indices, t, blk, stop, nxt, ok_a, ok_b, raw1, raw0, kv_l0, kv_r0, kt_s0, ok0,
                                        ready0, free0, pair & 1)
-                        produce_staged(kv, indices, t, blk + 1, stop, cur, nxt, nn, raw0, raw1, kv_l1, kv_r1, kt_s1,
+                        produce_staged(kv, indices, t, blk + 1, stop, nxt, ok_b, ok_a, raw0, raw1, kv_l1, kv_r1, kt_s1,
                                        ok1, ready1, free1, pair & 1)
                     T.call_extern("handle", "tl::cp_async_wait<0>")  # the last (empty) copies land before exit
                 else:
+                    nxt = T.alloc_local((passes,), T.int32)
+                    slot = T.alloc_local((passes,), T.int32)
+                    load_index(indices, t, first, nxt)
                     for pair in T.serial(pairs):
-                        produce(kv, indices, t, first + 2 * pair, stop, kv_l0, kv_r0, kt_s0, ok0, ready0, free0,
-                                pair & 1)
-                        produce(kv, indices, t, first + 2 * pair + 1, stop, kv_l1, kv_r1, kt_s1, ok1, ready1, free1,
-                                pair & 1)
+                        produce(kv, indices, t, first + 2 * pair, stop, nxt, slot, kv_l0, kv_r0, kt_s0, ok0, ready0,
+                                free0, pair & 1)
+                        produce(kv, indices, t, first + 2 * pair + 1, stop, nxt, slot, kv_l1, kv_r1, kt_s1, ok1,
+                                ready1, free1, pair & 1)
 
     if split:
         return _entry(geo, attend, t_count, s_count, k_count, T.Tensor((t_count, n_split, heads, d_v), acc),
