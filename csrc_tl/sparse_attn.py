@@ -346,8 +346,11 @@ def build_combine(d_v: int, heads: int):
     return combine
 
 
-WS_THREADS = 384  # warpgroup 0: scores, softmax, left half of PV; 1: right half of PV; 2: gather
-WS_ROWS_PER_PASS = 16  # rows the producer warpgroup fills at once (8 threads per row)
+# Warpgroup 0: scores, softmax, left half of PV; 1: right half of PV; then one or two producer
+# warpgroups that gather. setmaxnreg budgets per thread (consumer 0, consumer 1, producer) must fit
+# the registers the CTA launched with: 3 x 168 with one producer (240 + 168 + 104 hangs the kernel),
+# 4 x 128 with two.
+WS_NREG = {1: (240, 168, 80), 2: (208, 144, 80)}
 WS_THREADS_PER_ROW = 8
 
 
@@ -376,7 +379,8 @@ def ws_staged(geo: AttnGeometry, block_i: int = 64) -> bool:
     return 2 * hb * d_qk + 2 * 2 * block_i * d_qk + 2 * block_i * raw_row + 2 * hb * block_i + 4096 <= SMEM_LIMIT
 
 
-def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None = None):
+def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None = None,
+                  producers: int | None = None):
     """Warp-specialized prefill kernel for Hopper (sm_90, CUDA only: mbarriers and setmaxnreg): a
     producer warpgroup gathers (and for a packed pool dequantizes) the next top-k block into the
     other of two shared stages while two consumer warpgroups run the GEMMs and the softmax on the
@@ -406,12 +410,16 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
     vec = 8 if geo.kv_kind == "bf16" else 16  # elements one producer thread moves at once (16 bytes read)
     chunks = d_v // (vec * WS_THREADS_PER_ROW)  # per thread and row, half of them in each half of the row
     tail_chunks = d_tail // (8 * WS_THREADS_PER_ROW)
-    passes = block_i // WS_ROWS_PER_PASS
     dtype, acc = T.bfloat16, T.float32
     t_count, s_count, k_count, n_split = T.dynamic("t"), T.dynamic("s"), T.dynamic("k"), T.dynamic("ns")
     copies_async = geo.kv_kind == "bf16"  # bf16 rows go to shared memory as they are, by cp.async
-    ready_count = 256 if copies_async else 128  # producer threads arrive once, or twice with cp.async
     staged = ws_staged(geo, block_i)
+    # two producer warpgroups where staged FP8 rows are widened: the widening bounds the kernel
+    n_prod = (2 if staged else 1) if producers is None else producers
+    nreg = WS_NREG[n_prod]
+    rows_per_pass = 128 * n_prod // WS_THREADS_PER_ROW  # rows the producer threads fill at once
+    passes = block_i // rows_per_pass
+    ready_count = 128 * n_prod * (2 if copies_async else 1)  # producer threads arrive once, or twice with cp.async
     n_tiles = d_v // QUANT_TILE
     piece = 16 if row_w % 16 == 0 else 8  # bytes of one cp.async of FP8 values (row starts are piece-aligned)
 
@@ -427,7 +435,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         until :func:`issue_raw` checks them, a block later."""
         tx = T.get_thread_binding() - 2 * 128
         for p in T.unroll(passes):
-            pos = blk * block_i + p * WS_ROWS_PER_PASS + tx // WS_THREADS_PER_ROW
+            pos = blk * block_i + p * rows_per_pass + tx // WS_THREADS_PER_ROW
             slot[p] = indices[t, T.min(pos, k_count - 1)]
 
     @T.macro
@@ -444,13 +452,13 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         # all slot ids of the stage first, then every row load (branch-free, predicated: invalid rows
         # become zeros and are never dereferenced), so the loads of a stage are all in flight at once
         for p in T.unroll(passes):
-            j = p * WS_ROWS_PER_PASS + tx // WS_THREADS_PER_ROW
+            j = p * rows_per_pass + tx // WS_THREADS_PER_ROW
             ok = (blk * block_i + j < stop) & (nxt[p] >= 0) & (nxt[p] < s_count)
             slot[p] = T.if_then_else(ok, nxt[p], -1)
             ok_s[j] = T.if_then_else(ok, 1, 0)
         load_index(indices, t, blk + 1, nxt)
         for p in T.unroll(passes):
-            j = p * WS_ROWS_PER_PASS + tx // WS_THREADS_PER_ROW
+            j = p * rows_per_pass + tx // WS_THREADS_PER_ROW
             ok = slot[p] >= 0
             row = T.max(slot[p], 0)
             if copies_async:
@@ -508,7 +516,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
             scales = T.view(kv, (s_count, row_w // 4), T.float32)
             tails = T.view(kv, (s_count, row_w // 2), dtype)
         for p in T.unroll(passes):
-            j = p * WS_ROWS_PER_PASS + tx // WS_THREADS_PER_ROW
+            j = p * rows_per_pass + tx // WS_THREADS_PER_ROW
             ok[p] = T.if_then_else((blk * block_i + j < stop) & (slot[p] >= 0) & (slot[p] < s_count), 1, 0)
             row = T.if_then_else(ok[p] != 0, slot[p], 0)
             for c in T.unroll(chunks // 2):
@@ -535,7 +543,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         tx = T.get_thread_binding() - 2 * 128
         lane = tx % WS_THREADS_PER_ROW
         for p in T.unroll(passes):
-            j = p * WS_ROWS_PER_PASS + tx // WS_THREADS_PER_ROW
+            j = p * rows_per_pass + tx // WS_THREADS_PER_ROW
             ok_s[j] = ok[p]
             for c in T.unroll(chunks // 2):
                 col = (c * WS_THREADS_PER_ROW + lane) * vec
@@ -586,7 +594,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
 
     @T.macro
     def attend(q, kv, indices, topk_length, out, lse):
-        with T.Kernel(t_count * groups, n_split if split else 1, threads=WS_THREADS) as (bx, by):
+        with T.Kernel(t_count * groups, n_split if split else 1, threads=128 * (2 + n_prod)) as (bx, by):
             q_l = T.alloc_shared((hb, half), dtype)
             q_r = T.alloc_shared((hb, half), dtype)
             kv_l0 = T.alloc_shared((block_i, half), dtype)
@@ -645,10 +653,9 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
             pairs = T.ceildiv(T.max(T.ceildiv(stop, block_i) - first, 0), 2)
 
             tx = T.get_thread_binding()
-            # setmaxnreg moves registers between warpgroups of the CTA: the three budgets must fit the
-            # 3 * 168 it launched with (240 + 168 + 104 hangs the kernel)
+            # setmaxnreg moves registers between the warpgroups of the CTA (budgets: WS_NREG)
             if tx < 128:
-                T.set_max_nreg(240, 1)
+                T.set_max_nreg(nreg[0], 1)
                 stage_q(q, q_l, q_r, qt_s, t, h0, tx, q_ready)
                 T.fill(acc_o, 0)
                 T.fill(sumexp, 0)
@@ -698,7 +705,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                 normalize(acc_o, sum_i, m_i, sumexp, scale2)
                 store_rows(out, lse, acc_o, q_l, sum_i, t, by if split else None, h0, 0, heads)
             elif tx >= 128 and tx < 256:
-                T.set_max_nreg(168, 1)
+                T.set_max_nreg(nreg[1], 1)
                 stage_q(q, q_l, q_r, qt_s, t, h0, tx, q_ready)
                 T.fill(acc_o_r, 0)
                 for it in T.serial(pairs * 2):
@@ -719,7 +726,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                     acc_o_r[h, d] = T.if_then_else(sum_s[h] > 0, acc_o_r[h, d] / sum_s[h], 0)
                 store_rows(out, None, acc_o_r, q_r, None, t, by if split else None, h0, half, heads)
             elif tx >= 256:
-                T.set_max_nreg(80, 0)
+                T.set_max_nreg(nreg[2], 0)
                 if staged:
                     nxt = T.alloc_local((passes,), T.int32)
                     ok_a = T.alloc_local((passes,), T.int32)  # valid rows of the block in raw0

@@ -55,9 +55,12 @@ def test_attention_sources(name, kind, target):
     keys = attn_keys(name, kind, target=target)
     # the warp-specialized prefill kernel is CUDA-only and needs 64 heads per block
     ws = target == "cuda" and ATTN[name][2] >= 33
-    # over bf16 rows the warp-specialized split kernel serves every split; over FP8 rows the portable
-    # one takes the short splits
-    families = ["attn_prefill_ws", "attn_decode_ws", *([] if kind == "bf16" else ["attn_decode"]), "combine"]
+    # FP8 rows of 256 are staged raw and widened by two producer warpgroups
+    staged = kind != "bf16" and ATTN[name][0] == 256
+    # over bf16 and staged FP8 rows the warp-specialized split kernel serves every split; over the
+    # other FP8 rows the portable one takes the short splits
+    families = ["attn_prefill_ws", "attn_decode_ws", *([] if kind == "bf16" or staged else ["attn_decode"]),
+                "combine"]
     assert [k.family for k in keys] == (families if ws else ["attn_prefill", "attn_decode", "combine"])
     for key in keys[:-1]:
         body = kernel_body(source(key, target))
@@ -78,12 +81,13 @@ def test_attention_sources(name, kind, target):
             body = kernel_body(source(key, target))
             roles = re.split(r"warpgroup_reg_(?:alloc|dealloc)<\d+>", body)[1:]
             assert len(roles) == 3
-            ids = [set(re.findall(r"__sync_thread_partial\((\d+), 128\)", role)) for role in roles]
+            # one producer warpgroup, or two (256 threads) where staged FP8 rows are widened
+            assert f"__launch_bounds__({512 if staged else 384}, 1)" in body
+            ids = [set(re.findall(r"__sync_thread_partial\((\d+), \d+\)", role)) for role in roles]
             assert not (ids[0] & ids[1] or ids[0] & ids[2] or ids[1] & ids[2]), ids
             assert all("__syncthreads" not in role for role in roles)
             # bf16 rows go to shared memory by cp.async and signal the stage barrier when they land;
             # 256-wide FP8 rows are staged raw by cp.async and widened shared-to-shared
-            staged = kind != "bf16" and ATTN[name][0] == 256
             assert ("cp_async" in roles[2]) == (kind == "bf16" or staged)
             assert ("cp_async_wait" in roles[2]) == staged
             assert ("mbarrier_cp_async_arrive_noinc" in roles[2]) == (kind == "bf16")
@@ -150,7 +154,8 @@ def test_decode_split_plan(tokens, heads, topk, min_blocks, splits):
     ("bf16", "glm-256+0-h64", 1, 2048, "cuda", "attn_decode_ws x16 + combine"),
     ("bf16", "glm-256+0-h64", 17, 2112, "cuda", "attn_decode_ws x7 + combine"),
     ("bf16", "deepseek-512+64-h128", 1, 2048, "cuda", "attn_decode_ws x16 + combine"),
-    ("packed", "glm-256+0-h64", 1, 2048, "cuda", "attn_decode x32 + combine"),  # FP8 rows, 1 block a split
+    ("packed", "glm-256+0-h64", 1, 2048, "cuda", "attn_decode_ws x16 + combine"),  # staged FP8 rows
+    ("packed", "deepseek-512+64-h128", 1, 2048, "cuda", "attn_decode x32 + combine"),  # FP8 rows in registers
     ("packed", "glm-256+0-h64", 17, 2112, "cuda", "attn_decode_ws x7 + combine"),
     ("packed", "deepseek-512+64-h128", 256, 2048, "cuda", "attn_prefill_ws"),
     ("bf16", "glm-256+0-h64", 1, 2048, "hip", "attn_decode x32 + combine"),  # no warp specialization
