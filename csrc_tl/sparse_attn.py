@@ -21,6 +21,7 @@ With ``d_rope == 0`` the tail is compiled out: no tail buffers, copies or GEMMs 
 On Hopper, :func:`build_attn_ws` builds the same two paths warp-specialized (for 64-head blocks): a
 producer warpgroup gathers the next top-k block into one of two shared stages while warpgroup 0
 runs the score GEMMs, the softmax and the left half of PV and warpgroup 1 the right half of PV.
+Where FP8 rows are staged raw (:func:`ws_staged`), two producer warpgroups widen them.
 
 FP8 inputs (native float8_e4m3fn q or kv, and the values of a packed row) are widened to bf16 on
 their way into shared memory and the GEMMs run in bf16: every e4m3 value is exactly a bf16 value,
@@ -175,7 +176,10 @@ def load_q(q, dst, t, h0, col0, heads, tid, nthreads):
 
 def ws_supported(geo: AttnGeometry) -> bool:
     """Whether :func:`build_attn_ws` handles ``geo`` (it also needs an sm_90 CUDA target)."""
-    return head_block(geo.heads) == MAX_HEAD_BLOCK and geo.d_v % 128 == 0 and geo.d_rope in (0, 64)
+    # each half of a row takes whole 16-byte chunks of the eight threads of a row: 2 x 8 x 8 bf16
+    # values or 2 x 8 x 16 FP8 values (a narrower FP8 row would leave the producer nothing to do)
+    width = 128 if geo.kv_kind == "bf16" else 256
+    return head_block(geo.heads) == MAX_HEAD_BLOCK and geo.d_v % width == 0 and geo.d_rope in (0, 64)
 
 
 def build_attn(geo: AttnGeometry, *, split: bool, block_i: int = 64, threads: int = 256, num_stages: int = 2):
@@ -373,9 +377,7 @@ def ws_staged(geo: AttnGeometry, block_i: int = 64) -> bool:
     if geo.kv_kind == "bf16":
         return False
     hb, d_qk = MAX_HEAD_BLOCK, geo.d_qk
-    raw_row = geo.d_v + geo.d_rope * (2 if geo.kv_kind == "packed" else 1)
-    if geo.kv_kind == "packed":
-        raw_row += WS_THREADS_PER_ROW * 4 * (geo.d_v // QUANT_TILE)  # each lane's copy of the row's scales
+    raw_row = geo.d_v + geo.d_rope * (2 if geo.kv_kind == "packed" else 1)  # scales go to registers
     return 2 * hb * d_qk + 2 * 2 * block_i * d_qk + 2 * block_i * raw_row + 2 * hb * block_i + 4096 <= SMEM_LIMIT
 
 
@@ -389,11 +391,13 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
     Same arguments as ``build_attn(geo, split=...)``, with ``block_i`` from :func:`ws_block` unless
     given; needs ``ws_supported(geo)``. With ``split`` it is
     the decode kernel: the grid's second axis splits the top-k blocks and each split writes its
-    normalized float32 partial and LSE for :func:`build_combine`. The producer reads all slot ids of a
-    stage first and then issues every row load of the stage predicated, with no branches, so they are
-    in flight together: bf16 rows by cp.async straight into shared memory (the copies arrive on the
-    stage barrier when they land), FP8 values through registers, widened to bf16. Rows of invalid
-    entries are written as zeros (never dereferenced) and their scores are -inf, so they weigh 0.
+    normalized float32 partial and LSE for :func:`build_combine`. The producer loads the indices of a
+    top-k block one block ahead and issues every row load of a stage predicated, with no branches,
+    so they are in flight together: bf16 rows by cp.async straight into shared memory (the copies
+    arrive on the stage barrier when they land); staged FP8 rows by cp.async into a raw stage one
+    block ahead, then widened shared-to-shared; other FP8 rows through registers, widened to bf16.
+    Rows of invalid entries are written as zeros (never dereferenced) and their scores are -inf, so
+    they weigh 0. ``producers`` (1 or 2 warpgroups) defaults to 2 for staged rows, else 1.
     """
     geo.check()
     assert ws_supported(geo), "needs 64 heads per block, d_v a multiple of 128 and d_rope 0 or 64"
@@ -505,9 +509,9 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
 
     @T.macro
     def issue_raw(kv, slot, blk, stop, ok, raw_v, raw_t, raw_sc):
-        """cp.async of the bytes this thread will widen for top-k block ``blk`` (its chunks of its rows,
-        and for a packed row its own copy of the row's scales; raw indices in ``slot``) into a raw
-        stage, zeros for invalid entries, and ``ok[p]`` whether its row of pass ``p`` is valid. One
+        """cp.async of the bytes this thread will widen for top-k block ``blk`` (its chunks of its rows;
+        raw indices in ``slot``) into a raw stage, zeros for invalid entries; ``ok[p]`` whether its row
+        of pass ``p`` is valid and, for a packed row, ``raw_sc[p, :]`` its scales (registers). One
         commit group, also when every entry is invalid (the waits count groups)."""
         tx = T.get_thread_binding() - 2 * 128
         lane = tx % WS_THREADS_PER_ROW
@@ -527,8 +531,10 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                         T.ptx_cp_async(T.access_ptr(raw_v[j, base + col + k * piece], "w", piece),
                                        T.access_ptr(src, "r", piece), piece, predicate=ok[p] != 0)
             if packed:
-                T.ptx_cp_async(T.access_ptr(raw_sc[j, lane, 0], "w", n_tiles),
-                               T.access_ptr(scales[row, scale_word], "r", n_tiles), n_tiles, predicate=ok[p] != 0)
+                # the row's scales into registers (eight lanes of a row read the same 8 bytes: one
+                # request; copied to shared memory per lane they cost 8-way bank conflicts)
+                for i in range(n_tiles):
+                    raw_sc[p, i] = T.if_then_else(ok[p] != 0, scales[row, scale_word + i], 0.0)
             if d_tail:
                 for c in T.unroll(tail_chunks):
                     col = (c * WS_THREADS_PER_ROW + lane) * 8
@@ -547,9 +553,9 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
             ok_s[j] = ok[p]
             for c in T.unroll(chunks // 2):
                 col = (c * WS_THREADS_PER_ROW + lane) * vec
-                if packed:
-                    sc_l = raw_sc[j, lane, col // QUANT_TILE]
-                    sc_r = raw_sc[j, lane, (half + col) // QUANT_TILE]
+                if packed:  # a thread's chunk c of each half lies in tile c of that half
+                    sc_l = raw_sc[p, c]
+                    sc_r = raw_sc[p, half // QUANT_TILE + c]
                     for v in T.vectorized(vec):
                         dst_l[j, col + v] = T.cast(T.cast(raw_v[j, col + v], acc) * sc_l, dtype)
                     for v in T.vectorized(vec):
@@ -610,8 +616,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
             if staged:
                 raw0, raw1 = [(T.alloc_shared((block_i, d_v), T.float8_e4m3fn),
                                T.alloc_shared((block_i, d_tail), dtype if packed else T.float8_e4m3fn)
-                               if d_tail else None,
-                               T.alloc_shared((block_i, WS_THREADS_PER_ROW, n_tiles), acc) if packed else None)
+                               if d_tail else None)
                               for _ in range(2)]
             ok0 = T.alloc_shared((block_i,), T.int32)
             ok1 = T.alloc_shared((block_i,), T.int32)
@@ -731,14 +736,17 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                     nxt = T.alloc_local((passes,), T.int32)
                     ok_a = T.alloc_local((passes,), T.int32)  # valid rows of the block in raw0
                     ok_b = T.alloc_local((passes,), T.int32)  # ... in raw1
+                    # the packed rows' scales of the blocks in raw0 and raw1
+                    raw_a = (*raw0, T.alloc_local((passes, n_tiles), acc) if packed else None)
+                    raw_b = (*raw1, T.alloc_local((passes, n_tiles), acc) if packed else None)
                     load_index(indices, t, first, nxt)
-                    issue_raw(kv, nxt, first, stop, ok_a, *raw0)
+                    issue_raw(kv, nxt, first, stop, ok_a, *raw_a)
                     load_index(indices, t, first + 1, nxt)
                     for pair in T.serial(pairs):
                         blk = first + 2 * pair
-                        produce_staged(kv, indices, t, blk, stop, nxt, ok_a, ok_b, raw1, raw0, kv_l0, kv_r0, kt_s0, ok0,
+                        produce_staged(kv, indices, t, blk, stop, nxt, ok_a, ok_b, raw_b, raw_a, kv_l0, kv_r0, kt_s0, ok0,
                                        ready0, free0, pair & 1)
-                        produce_staged(kv, indices, t, blk + 1, stop, nxt, ok_b, ok_a, raw0, raw1, kv_l1, kv_r1, kt_s1,
+                        produce_staged(kv, indices, t, blk + 1, stop, nxt, ok_b, ok_a, raw_a, raw_b, kv_l1, kv_r1, kt_s1,
                                        ok1, ready1, free1, pair & 1)
                     T.call_extern("handle", "tl::cp_async_wait<0>")  # the last (empty) copies land before exit
                 else:
