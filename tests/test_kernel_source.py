@@ -166,3 +166,12 @@ def test_attention_plan(kind, geo, tokens, topk, target, plan):
     got = _cuda.plan_attn(kind, d_v, d_rope, heads, (d_v + d_rope) ** -0.5, False, False, tokens, topk, 132, target)
     assert str(got) == plan
     assert got.keys[-1].family == ("combine" if got.splits > 1 else got.keys[0].family)
+
+
+@pytest.mark.parametrize("kind, path", [("bf16", "attn_prefill_ws"), ("packed", "attn_prefill"), ("fp8", "attn_prefill")])
+def test_ws_kernels_need_whole_chunks_per_half(kind, path):
+    # 384 + 0 (the 392-byte packed row): a half of a bf16 row is three 16-byte chunks of each of the
+    # eight threads of a row, but a half of an FP8 row (192 values) is not whole 16-value chunks, and
+    # the warp-specialized producer would leave part of it unwritten: those rows take the portable kernels
+    plan = _cuda.plan_attn(kind, 384, 0, 64, 384**-0.5, False, kind == "fp8", 4096, 2048, 132, "cuda")
+    assert str(plan) == path
