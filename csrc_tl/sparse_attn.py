@@ -427,6 +427,16 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
     n_tiles = d_v // QUANT_TILE
     piece = 16 if row_w % 16 == 0 else 8  # bytes of one cp.async of FP8 values (row starts are piece-aligned)
 
+    def row_views(kv):
+        """The FP8 values, float32 scales and bf16 tails of packed rows ``kv``."""
+        return (T.view(kv, (s_count, row_w), T.float8_e4m3fn), T.view(kv, (s_count, row_w // 4), T.float32),
+                T.view(kv, (s_count, row_w // 2), dtype))
+
+    def entry_ok(blk, j, stop, raw):
+        """Whether entry ``j`` of top-k block ``blk``, raw index ``raw``, is valid: before ``stop`` and
+        a row of the pool."""
+        return (blk * block_i + j < stop) & (raw >= 0) & (raw < s_count)
+
     def widen(value, ok, scale):
         """bf16 of an FP8 value (times its tile scale if any); 0 for an invalid row."""
         x = T.cast(T.if_then_else(ok, value, T.cast(0, T.float8_e4m3fn)), acc)
@@ -450,14 +460,12 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         tx = T.get_thread_binding() - 2 * 128
         lane = tx % WS_THREADS_PER_ROW
         if packed:
-            values = T.view(kv, (s_count, row_w), T.float8_e4m3fn)
-            scales = T.view(kv, (s_count, row_w // 4), T.float32)
-            tails = T.view(kv, (s_count, row_w // 2), dtype)
+            values, scales, tails = row_views(kv)
         # all slot ids of the stage first, then every row load (branch-free, predicated: invalid rows
         # become zeros and are never dereferenced), so the loads of a stage are all in flight at once
         for p in T.unroll(passes):
             j = p * rows_per_pass + tx // WS_THREADS_PER_ROW
-            ok = (blk * block_i + j < stop) & (nxt[p] >= 0) & (nxt[p] < s_count)
+            ok = entry_ok(blk, j, stop, nxt[p])
             slot[p] = T.if_then_else(ok, nxt[p], -1)
             ok_s[j] = T.if_then_else(ok, 1, 0)
         load_index(indices, t, blk + 1, nxt)
@@ -516,12 +524,10 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         tx = T.get_thread_binding() - 2 * 128
         lane = tx % WS_THREADS_PER_ROW
         if packed:
-            values = T.view(kv, (s_count, row_w), T.float8_e4m3fn)
-            scales = T.view(kv, (s_count, row_w // 4), T.float32)
-            tails = T.view(kv, (s_count, row_w // 2), dtype)
+            values, scales, tails = row_views(kv)
         for p in T.unroll(passes):
             j = p * rows_per_pass + tx // WS_THREADS_PER_ROW
-            ok[p] = T.if_then_else((blk * block_i + j < stop) & (slot[p] >= 0) & (slot[p] < s_count), 1, 0)
+            ok[p] = T.if_then_else(entry_ok(blk, j, stop, slot[p]), 1, 0)
             row = T.if_then_else(ok[p] != 0, slot[p], 0)
             for c in T.unroll(chunks // 2):
                 col = (c * WS_THREADS_PER_ROW + lane) * vec
