@@ -426,6 +426,9 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
     ready_count = 128 * n_prod * (2 if copies_async else 1)  # producer threads arrive once, or twice with cp.async
     n_tiles = d_v // QUANT_TILE
     piece = 16 if row_w % 16 == 0 else 8  # bytes of one cp.async of FP8 values (row starts are piece-aligned)
+    # elements of one cp.async of the tail of a staged row: bf16 of a packed row (8 bytes where the
+    # rows or the tail offset are not 16-byte aligned, as in the 392-byte 256+64 row), FP8 values
+    tail_piece = (8 if row_w % 16 == 0 and geo.layout.rope_offset % 16 == 0 else 4) if packed else 8
 
     def row_views(kv):
         """The FP8 values, float32 scales and bf16 tails of packed rows ``kv``."""
@@ -543,10 +546,11 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                     raw_sc[p, i] = T.if_then_else(ok[p] != 0, scales[row, scale_word + i], 0.0)
             if d_tail:
                 for c in T.unroll(tail_chunks):
-                    col = (c * WS_THREADS_PER_ROW + lane) * 8
-                    src = tails[row, rope_half + col] if packed else kv[row, d_v + col]
-                    T.ptx_cp_async(T.access_ptr(raw_t[j, col], "w", 8), T.access_ptr(src, "r", 8), 8,
-                                   predicate=ok[p] != 0)
+                    for k in T.unroll(8 // tail_piece):
+                        col = (c * WS_THREADS_PER_ROW + lane) * 8 + k * tail_piece
+                        src = tails[row, rope_half + col] if packed else kv[row, d_v + col]
+                        T.ptx_cp_async(T.access_ptr(raw_t[j, col], "w", tail_piece),
+                                       T.access_ptr(src, "r", tail_piece), tail_piece, predicate=ok[p] != 0)
         T.ptx_commit_group()
 
     @T.macro

@@ -170,8 +170,20 @@ def test_attention_plan(kind, geo, tokens, topk, target, plan):
 
 @pytest.mark.parametrize("kind, path", [("bf16", "attn_prefill_ws"), ("packed", "attn_prefill"), ("fp8", "attn_prefill")])
 def test_ws_kernels_need_whole_chunks_per_half(kind, path):
-    # 384 + 0 (the 392-byte packed row): a half of a bf16 row is three 16-byte chunks of each of the
+    # 384 + 0 (a 396-byte packed row): a half of a bf16 row is three 16-byte chunks of each of the
     # eight threads of a row, but a half of an FP8 row (192 values) is not whole 16-value chunks, and
     # the warp-specialized producer would leave part of it unwritten: those rows take the portable kernels
     plan = _cuda.plan_attn(kind, 384, 0, 64, 384**-0.5, False, kind == "fp8", 4096, 2048, 132, "cuda")
     assert str(plan) == path
+
+
+def test_staged_copies_respect_row_alignment():
+    # the 392-byte packed row (256 + 64): rows and the bf16 tail at byte 264 are 8-byte aligned only,
+    # so every cp.async of the staged producer moves 8 bytes (a 16-byte copy there is a misaligned
+    # address); the 320-byte native FP8 row copies its values in 16 bytes and its tail in 8
+    import re
+
+    for kind, sizes in (("packed", {"8"}), ("fp8", {"16", "8"})):
+        key = _cuda.attn_keys(kind, 256, 64, 64, 320**-0.5, False, target="cuda", q_fp8=kind == "fp8")[0]
+        producer = kernel_body(source(key, "cuda")).split("warpgroup_reg_dealloc")[1]
+        assert set(re.findall(r"cp_async_gs_conditional<(\d+)>", producer)) == sizes
