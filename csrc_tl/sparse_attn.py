@@ -400,7 +400,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
     they weigh 0. ``producers`` (1 or 2 warpgroups) defaults to 2 for staged rows, else 1.
     """
     geo.check()
-    assert ws_supported(geo), "needs 64 heads per block, d_v a multiple of 128 and d_rope 0 or 64"
+    assert ws_supported(geo), "needs 64 heads per block, d_v a multiple of 128 (256 for FP8 rows), d_rope 0 or 64"
     block_i = ws_block(geo, split) if block_i is None else block_i
     assert block_i == 64 or not split, "a split kernel works on 64-row blocks"
     d_v, d_tail, heads = geo.d_v, geo.d_rope, geo.heads

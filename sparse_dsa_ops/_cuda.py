@@ -291,7 +291,7 @@ def plan_attn(kv_kind: str, d_v: int, d_rope: int, heads: int, sm_scale: float, 
     if splits > 1:
         keys = attn_keys(*geo, paths=("decode",), target=target, q_fp8=q_fp8)
         ws = keys[0].family == "attn_decode_ws"  # keys: [decode_ws,] [decode,] combine
-        always = ws and keys[1].family == "combine"  # no portable split kernel: see _ws_splits_always
+        always = ws and _ws_splits_always(keys[0].spec)
         if always:
             splits = plan_splits(tokens, heads, topk, sm_count, WS_SPLIT_BLOCKS)
         if splits > 1:
