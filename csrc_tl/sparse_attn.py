@@ -754,10 +754,10 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                     load_index(indices, t, first + 1, nxt)
                     for pair in T.serial(pairs):
                         blk = first + 2 * pair
-                        produce_staged(kv, indices, t, blk, stop, nxt, ok_a, ok_b, raw_b, raw_a, kv_l0, kv_r0, kt_s0, ok0,
-                                       ready0, free0, pair & 1)
-                        produce_staged(kv, indices, t, blk + 1, stop, nxt, ok_b, ok_a, raw_a, raw_b, kv_l1, kv_r1, kt_s1,
-                                       ok1, ready1, free1, pair & 1)
+                        produce_staged(kv, indices, t, blk, stop, nxt, ok_a, ok_b, raw_b, raw_a, kv_l0, kv_r0, kt_s0,
+                                       ok0, ready0, free0, pair & 1)
+                        produce_staged(kv, indices, t, blk + 1, stop, nxt, ok_b, ok_a, raw_a, raw_b, kv_l1, kv_r1,
+                                       kt_s1, ok1, ready1, free1, pair & 1)
                     T.call_extern("handle", "tl::cp_async_wait<0>")  # the last (empty) copies land before exit
                 else:
                     nxt = T.alloc_local((passes,), T.int32)

@@ -168,7 +168,8 @@ def test_attention_plan(kind, geo, tokens, topk, target, plan):
     assert got.keys[-1].family == ("combine" if got.splits > 1 else got.keys[0].family)
 
 
-@pytest.mark.parametrize("kind, path", [("bf16", "attn_prefill_ws"), ("packed", "attn_prefill"), ("fp8", "attn_prefill")])
+@pytest.mark.parametrize("kind, path",
+                         [("bf16", "attn_prefill_ws"), ("packed", "attn_prefill"), ("fp8", "attn_prefill")])
 def test_ws_kernels_need_whole_chunks_per_half(kind, path):
     # 384 + 0 (a 396-byte packed row): a half of a bf16 row is three 16-byte chunks of each of the
     # eight threads of a row, but a half of an FP8 row (192 values) is not whole 16-value chunks, and
