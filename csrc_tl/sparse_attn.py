@@ -20,8 +20,10 @@ With ``d_rope == 0`` the tail is compiled out: no tail buffers, copies or GEMMs 
 
 On Hopper, :func:`build_attn_ws` builds the same two paths warp-specialized (for 64-head blocks): a
 producer warpgroup gathers the next top-k block into one of two shared stages while warpgroup 0
-runs the score GEMMs, the softmax and the left half of PV and warpgroup 1 the right half of PV.
-Where FP8 rows are staged raw (:func:`ws_staged`), two producer warpgroups widen them.
+runs the score GEMMs, the softmax and the left half of PV and warpgroup 1 the right half of PV;
+for the prefill of narrow bf16 rows the two consumer warpgroups instead score the two blocks of a
+pair side by side. Where FP8 rows are staged raw (:func:`ws_staged`), two producer warpgroups
+widen them.
 
 FP8 inputs (native float8_e4m3fn q or kv, and the values of a packed row) are widened to bf16 on
 their way into shared memory and the GEMMs run in bf16: every e4m3 value is exactly a bf16 value,
@@ -350,11 +352,11 @@ def build_combine(d_v: int, heads: int):
     return combine
 
 
-# Warpgroup 0: scores, softmax, left half of PV; 1: right half of PV; then one or two producer
-# warpgroups that gather. setmaxnreg budgets per thread (consumer 0, consumer 1, producer) must fit
-# the registers the CTA launched with: 3 x 168 with one producer (240 + 168 + 104 hangs the kernel),
-# 4 x 128 with two.
-WS_NREG = {1: (240, 168, 80), 2: (208, 144, 80)}
+# setmaxnreg budgets per thread (consumer warpgroup 0, consumer warpgroup 1, each producer
+# warpgroup), by consumer scheme (see build_attn_ws) and producer count. They must fit the registers
+# the CTA launched with: 3 x 168 with one producer (a request beyond that hangs the kernel), 4 x 128
+# with two.
+WS_NREG = {("paired", 1): (208, 224, 72), ("single", 1): (240, 168, 80), ("single", 2): (208, 144, 80)}
 WS_THREADS_PER_ROW = 8
 
 
@@ -364,6 +366,16 @@ def ws_block(geo: AttnGeometry, split: bool) -> int:
     The split kernel keeps 64: its splits are whole blocks of the top-k range."""
     return 128 if not split and geo.kv_kind == "bf16" and geo.d_qk <= 256 else 64
 
+
+# Paired consumer warpgroups hand each other their final row sums through a static shared array that
+# TileLang does not see: its barrier planner would try to separate the two warpgroups' accesses with
+# a barrier inside one of them, which it fails to lower for some kernels; the done mbarriers order
+# them instead.
+WS_PRELUDE = """
+__device__ __forceinline__ float* dsa_row_sums() { __shared__ float sums[2 * 64]; return sums; }
+__device__ __forceinline__ void dsa_put_row_sum(int i, float v) { dsa_row_sums()[i] = v; }
+__device__ __forceinline__ float dsa_row_sum(int i) { return dsa_row_sums()[i]; }
+"""
 
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory one sm_90 block may use
 
@@ -382,11 +394,14 @@ def ws_staged(geo: AttnGeometry, block_i: int = 64) -> bool:
 
 
 def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None = None,
-                  producers: int | None = None):
+                  producers: int | None = None, nreg: tuple[int, int, int] | None = None):
     """Warp-specialized prefill kernel for Hopper (sm_90, CUDA only: mbarriers and setmaxnreg): a
     producer warpgroup gathers (and for a packed pool dequantizes) the next top-k block into the
     other of two shared stages while two consumer warpgroups run the GEMMs and the softmax on the
-    current one; the value width is split in halves between the two consumers.
+    current one; the value width is split in halves between the two consumers. For the prefill of
+    narrow bf16 rows (128-row blocks) the stages hold a pair of blocks and each consumer scores one
+    of them (the running max passes between them once per pair); elsewhere warpgroup 0 scores every
+    block. ``nreg`` overrides the setmaxnreg budgets of :data:`WS_NREG`.
 
     Same arguments as ``build_attn(geo, split=...)``, with ``block_i`` from :func:`ws_block` unless
     given; needs ``ws_supported(geo)``. With ``split`` it is
@@ -420,7 +435,12 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
     staged = ws_staged(geo, block_i)
     # two producer warpgroups where staged FP8 rows are widened: the widening bounds the kernel
     n_prod = (2 if staged else 1) if producers is None else producers
-    nreg = WS_NREG[n_prod]
+    # the prefill of narrow bf16 rows (128-row blocks): the two consumer warpgroups score the blocks
+    # of a pair side by side; elsewhere warpgroup 0 scores each block as soon as it is ready (measured:
+    # BENCHMARKS.md; pairs were no faster for the 576-wide rows and slower where the producer bounds
+    # the kernel, over FP8 rows)
+    paired = block_i == 128 and geo.kv_kind == "bf16"
+    nreg = WS_NREG["paired" if paired else "single", n_prod] if nreg is None else nreg
     rows_per_pass = 128 * n_prod // WS_THREADS_PER_ROW  # rows the producer threads fill at once
     passes = block_i // rows_per_pass
     ready_count = 128 * n_prod * (2 if copies_async else 1)  # producer threads arrive once, or twice with cp.async
@@ -610,7 +630,8 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
 
     @T.macro
     def attend(q, kv, indices, topk_length, out, lse):
-        with T.Kernel(t_count * groups, n_split if split else 1, threads=128 * (2 + n_prod)) as (bx, by):
+        grid = (t_count * groups, n_split if split else 1)
+        with T.Kernel(*grid, threads=128 * (2 + n_prod), prelude=WS_PRELUDE if paired else None) as (bx, by):
             q_l = T.alloc_shared((hb, half), dtype)
             q_r = T.alloc_shared((hb, half), dtype)
             kv_l0 = T.alloc_shared((block_i, half), dtype)
@@ -630,26 +651,63 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                               for _ in range(2)]
             ok0 = T.alloc_shared((block_i,), T.int32)
             ok1 = T.alloc_shared((block_i,), T.int32)
-            p_s = T.alloc_shared((hb, block_i), dtype)
-            alpha_s = T.alloc_shared((hb,), acc)
-            sum_s = T.alloc_shared((hb,), acc)
+            if paired:
+                # probabilities each consumer shares with the other (bf16, relative to the pair's final
+                # max); warpgroup 0's lives in the RoPE tail of stage 0 where that is free and the same
+                # shape (the score GEMMs are done with it by then)
+                if d_tail == block_i == hb:
+                    p0_s = kt_s0
+                else:
+                    p0_s = T.alloc_shared((hb, block_i), dtype)
+                p1_s = T.alloc_shared((hb, block_i), dtype)
+                m_s = T.alloc_shared((hb,), acc)  # running max, handed from one warpgroup to the other
 
-            acc_o = T.alloc_fragment((hb, half), acc)  # warpgroup 0: left half of the output
-            acc_o_r = T.alloc_fragment((hb, half), acc)  # warpgroup 1: right half (its own fragment layout)
-            acc_s = T.alloc_fragment((hb, block_i), acc)
-            m_i = T.alloc_fragment((hb,), acc)
-            m_prev = T.alloc_fragment((hb,), acc)
-            alpha = T.alloc_fragment((hb,), acc)
-            sum_i = T.alloc_fragment((hb,), acc)
-            sumexp = T.alloc_fragment((hb,), acc)
+                # each consumer warpgroup has its own fragments (their layouts bind its own threads)
+                acc_o = T.alloc_fragment((hb, half), acc)  # warpgroup 0: left half of the output
+                acc_s = T.alloc_fragment((hb, block_i), acc)  # warpgroup 0: scores of stage 0
+                p_0 = T.alloc_fragment((hb, block_i), dtype)  # ... and their probabilities (GEMM A operand)
+                m_i = T.alloc_fragment((hb,), acc)
+                m_prev = T.alloc_fragment((hb,), acc)
+                alpha = T.alloc_fragment((hb,), acc)
+                sum_i = T.alloc_fragment((hb,), acc)
+                sumexp = T.alloc_fragment((hb,), acc)
+                acc_o_r = T.alloc_fragment((hb, half), acc)  # warpgroup 1: right half, stage 1
+                acc_s_r = T.alloc_fragment((hb, block_i), acc)
+                p_1 = T.alloc_fragment((hb, block_i), dtype)
+                m_r = T.alloc_fragment((hb,), acc)
+                m_prev_r = T.alloc_fragment((hb,), acc)
+                alpha_r = T.alloc_fragment((hb,), acc)
+                sum_r = T.alloc_fragment((hb,), acc)
+                sumexp_r = T.alloc_fragment((hb,), acc)
+            else:
+                p_s = T.alloc_shared((hb, block_i), dtype)
+                alpha_s = T.alloc_shared((hb,), acc)
+                sum_s = T.alloc_shared((hb,), acc)
+
+                acc_o = T.alloc_fragment((hb, half), acc)  # warpgroup 0: left half of the output
+                acc_o_r = T.alloc_fragment((hb, half), acc)  # warpgroup 1: right half (its own fragment layout)
+                acc_s = T.alloc_fragment((hb, block_i), acc)
+                m_i = T.alloc_fragment((hb,), acc)
+                m_prev = T.alloc_fragment((hb,), acc)
+                alpha = T.alloc_fragment((hb,), acc)
+                sum_i = T.alloc_fragment((hb,), acc)
+                sumexp = T.alloc_fragment((hb,), acc)
 
             ready0 = T.alloc_barrier(arrive_count=ready_count)
             ready1 = T.alloc_barrier(arrive_count=ready_count)
             free0 = T.alloc_barrier(arrive_count=256)
             free1 = T.alloc_barrier(arrive_count=256)
-            p_ready = T.alloc_barrier(arrive_count=128)
-            p_free = T.alloc_barrier(arrive_count=128)
-            done = T.alloc_barrier(arrive_count=128)
+            if paired:
+                m0_ready = T.alloc_barrier(arrive_count=128)  # m_s holds warpgroup 0's max of the pair
+                m1_ready = T.alloc_barrier(arrive_count=128)  # ... the pair's final max (warpgroup 1's)
+                p0_ready = T.alloc_barrier(arrive_count=128)
+                p1_ready = T.alloc_barrier(arrive_count=128)
+                done0 = T.alloc_barrier(arrive_count=128)
+                done1 = T.alloc_barrier(arrive_count=128)
+            else:
+                p_ready = T.alloc_barrier(arrive_count=128)
+                p_free = T.alloc_barrier(arrive_count=128)
+                done = T.alloc_barrier(arrive_count=128)
             q_ready = T.alloc_barrier(arrive_count=256)
 
             t = bx // groups
@@ -667,8 +725,15 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                 first, stop = 0, n_valid
             pairs = T.ceildiv(T.max(T.ceildiv(stop, block_i) - first, 0), 2)
 
+            # setmaxnreg moves registers between the warpgroups of the CTA (budgets: WS_NREG). Over bf16
+            # rows the top-k blocks go in pairs: warpgroup 0 scores the block in stage 0 and warpgroup 1
+            # the one in stage 1, at the same time; each then runs PV for its half of the value width
+            # over both blocks, its own probabilities from registers and the other's from shared
+            # memory. The running max passes 0 -> 1 -> 0 once per pair (m_s), so each softmax overlaps
+            # the other warpgroup's GEMMs. Over FP8 rows, whose producer bounds the kernel, warpgroup 0
+            # scores every block and runs the softmax and warpgroup 1 only its half of PV: a block is
+            # consumed as soon as it is ready, not a pair at a time.
             tx = T.get_thread_binding()
-            # setmaxnreg moves registers between the warpgroups of the CTA (budgets: WS_NREG)
             if tx < 128:
                 T.set_max_nreg(nreg[0], 1)
                 stage_q(q, q_l, q_r, qt_s, t, h0, tx, q_ready)
@@ -676,70 +741,180 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                 T.fill(sumexp, 0)
                 T.fill(m_i, NEG_START)
                 T.barrier_wait(q_ready, 0)
-                for it in T.serial(pairs * 2):
-                    phase = (it // 2) & 1
-                    if it % 2 == 0:
+                if paired:
+                    for pair in T.serial(pairs):
+                        phase = pair & 1
                         T.barrier_wait(ready0, phase)
-                    else:
-                        T.barrier_wait(ready1, phase)
-                    if copies_async:
-                        T.fence_proxy_async()  # cp.async wrote the stage; wgmma reads it through the async proxy
-                    for h, j in T.Parallel(hb, block_i):
-                        ok = T.if_then_else(it % 2 == 0, ok0[j], ok1[j])
-                        acc_s[h, j] = T.if_then_else(ok != 0, 0, -T.infinity(acc))
-                    # the score GEMMs are issued back to back and waited for once
-                    if it % 2 == 0:
+                        if copies_async:
+                            T.fence_proxy_async()  # cp.async wrote the stage; wgmma reads it through the async proxy
+                        for h, j in T.Parallel(hb, block_i):
+                            acc_s[h, j] = T.if_then_else(ok0[j] != 0, 0, -T.infinity(acc))
                         T.wgmma_gemm(q_l, kv_l0, acc_s, transpose_B=True)
                         T.wgmma_gemm(q_r, kv_r0, acc_s, transpose_B=True)
                         if d_tail:
                             T.wgmma_gemm(qt_s, kt_s0, acc_s, transpose_B=True)
-                    else:
-                        T.wgmma_gemm(q_l, kv_l1, acc_s, transpose_B=True)
-                        T.wgmma_gemm(q_r, kv_r1, acc_s, transpose_B=True)
-                        if d_tail:
-                            T.wgmma_gemm(qt_s, kt_s1, acc_s, transpose_B=True)
-                    T.wait_wgmma(0)
-                    if it > 0:
-                        T.barrier_wait(p_free, (it - 1) & 1)  # warpgroup 1 is done with p_s and alpha_s
-                    online_softmax(acc_s, acc_o, m_i, m_prev, alpha, sum_i, sumexp, scale2)
-                    T.copy(alpha, alpha_s)
-                    T.copy(acc_s, p_s)
-                    # warpgroup 1 may start its half of PV now, beside this warpgroup's half
-                    T.fence_proxy_async()
-                    T.barrier_arrive(p_ready)
-                    if it % 2 == 0:
-                        T.gemm(p_s, kv_l0, acc_o)
-                    else:
-                        T.gemm(p_s, kv_l1, acc_o)
-                    if it % 2 == 0:
+                        T.wait_wgmma(0)
+                        # softmax against this warpgroup's max so far; warpgroup 1 takes it from m_s
+                        T.copy(m_i, m_prev)
+                        T.reduce_max(acc_s, m_i, dim=1, clear=False)
+                        for h in T.Parallel(hb):
+                            m_s[h] = m_i[h]
+                        T.barrier_arrive(m0_ready)
+                        for h in T.Parallel(hb):
+                            alpha[h] = T.exp2((m_prev[h] - m_i[h]) * scale2)
+                        for h, j in T.Parallel(hb, block_i):
+                            acc_s[h, j] = T.exp2(acc_s[h, j] * scale2 - m_i[h] * scale2)
+                        T.reduce_sum(acc_s, sum_i, dim=1)
+                        for h in T.Parallel(hb):
+                            sumexp[h] = sumexp[h] * alpha[h] + sum_i[h]
+                        for h, d in T.Parallel(hb, half):
+                            acc_o[h, d] = acc_o[h, d] * alpha[h]
+                        T.copy(acc_s, p_0)
+                        T.wgmma_gemm(p_0, kv_l0, acc_o)
+                        # the pair's final max from warpgroup 1: rescale to it and hand over this block's
+                        # probabilities
+                        T.barrier_wait(m1_ready, phase)
+                        for h in T.Parallel(hb):
+                            alpha[h] = T.exp2((m_i[h] - m_s[h]) * scale2)
+                            m_i[h] = m_s[h]
+                            sumexp[h] = sumexp[h] * alpha[h]
+                        for h, j in T.Parallel(hb, block_i):
+                            p0_s[h, j] = T.cast(acc_s[h, j] * alpha[h], dtype)
+                        T.fence_proxy_async()
+                        T.barrier_arrive(p0_ready)
+                        T.wait_wgmma(0)
                         T.barrier_arrive(free0)
-                    else:
+                        for h, d in T.Parallel(hb, half):
+                            acc_o[h, d] = acc_o[h, d] * alpha[h]
+                        T.barrier_wait(p1_ready, phase)
+                        T.gemm(p1_s, kv_l1, acc_o)
                         T.barrier_arrive(free1)
-                T.copy(sumexp, sum_s)
-                T.barrier_arrive(done)
-                normalize(acc_o, sum_i, m_i, sumexp, scale2)
-                store_rows(out, lse, acc_o, q_l, sum_i, t, by if split else None, h0, 0, heads)
+                    for h in T.Parallel(hb):
+                        T.call_extern("handle", "dsa_put_row_sum", h, sumexp[h])
+                    T.barrier_arrive(done0)
+                    T.barrier_wait(done1, 0)
+                    for h in T.Parallel(hb):
+                        sumexp[h] = sumexp[h] + T.call_extern(acc, "dsa_row_sum", hb + h)
+                    normalize(acc_o, sum_i, m_i, sumexp, scale2)
+                    store_rows(out, None, acc_o, q_l, None, t, by if split else None, h0, 0, heads)
+                else:
+                    for it in T.serial(pairs * 2):
+                        phase = (it // 2) & 1
+                        if it % 2 == 0:
+                            T.barrier_wait(ready0, phase)
+                        else:
+                            T.barrier_wait(ready1, phase)
+                        if copies_async:
+                            T.fence_proxy_async()  # cp.async wrote the stage; wgmma reads it through the async proxy
+                        for h, j in T.Parallel(hb, block_i):
+                            ok = T.if_then_else(it % 2 == 0, ok0[j], ok1[j])
+                            acc_s[h, j] = T.if_then_else(ok != 0, 0, -T.infinity(acc))
+                        # the score GEMMs are issued back to back and waited for once
+                        if it % 2 == 0:
+                            T.wgmma_gemm(q_l, kv_l0, acc_s, transpose_B=True)
+                            T.wgmma_gemm(q_r, kv_r0, acc_s, transpose_B=True)
+                            if d_tail:
+                                T.wgmma_gemm(qt_s, kt_s0, acc_s, transpose_B=True)
+                        else:
+                            T.wgmma_gemm(q_l, kv_l1, acc_s, transpose_B=True)
+                            T.wgmma_gemm(q_r, kv_r1, acc_s, transpose_B=True)
+                            if d_tail:
+                                T.wgmma_gemm(qt_s, kt_s1, acc_s, transpose_B=True)
+                        T.wait_wgmma(0)
+                        if it > 0:
+                            T.barrier_wait(p_free, (it - 1) & 1)  # warpgroup 1 is done with p_s and alpha_s
+                        online_softmax(acc_s, acc_o, m_i, m_prev, alpha, sum_i, sumexp, scale2)
+                        T.copy(alpha, alpha_s)
+                        T.copy(acc_s, p_s)
+                        # warpgroup 1 may start its half of PV now, beside this warpgroup's half
+                        T.fence_proxy_async()
+                        T.barrier_arrive(p_ready)
+                        if it % 2 == 0:
+                            T.gemm(p_s, kv_l0, acc_o)
+                        else:
+                            T.gemm(p_s, kv_l1, acc_o)
+                        if it % 2 == 0:
+                            T.barrier_arrive(free0)
+                        else:
+                            T.barrier_arrive(free1)
+                    T.copy(sumexp, sum_s)
+                    T.barrier_arrive(done)
+                    normalize(acc_o, sum_i, m_i, sumexp, scale2)
+                    store_rows(out, lse, acc_o, q_l, sum_i, t, by if split else None, h0, 0, heads)
             elif tx >= 128 and tx < 256:
                 T.set_max_nreg(nreg[1], 1)
                 stage_q(q, q_l, q_r, qt_s, t, h0, tx, q_ready)
                 T.fill(acc_o_r, 0)
-                for it in T.serial(pairs * 2):
-                    T.barrier_wait(p_ready, it & 1)
-                    if copies_async:
+                if paired:
+                    T.fill(sumexp_r, 0)
+                    T.fill(m_r, NEG_START)
+                    T.barrier_wait(q_ready, 0)
+                    for pair in T.serial(pairs):
+                        phase = pair & 1
+                        T.barrier_wait(ready1, phase)
+                        if copies_async:
+                            T.fence_proxy_async()
+                        for h, j in T.Parallel(hb, block_i):
+                            acc_s_r[h, j] = T.if_then_else(ok1[j] != 0, 0, -T.infinity(acc))
+                        T.wgmma_gemm(q_l, kv_l1, acc_s_r, transpose_B=True)
+                        T.wgmma_gemm(q_r, kv_r1, acc_s_r, transpose_B=True)
+                        if d_tail:
+                            T.wgmma_gemm(qt_s, kt_s1, acc_s_r, transpose_B=True)
+                        T.wait_wgmma(0)
+                        T.reduce_max(acc_s_r, sum_r, dim=1, clear=True)  # sum_r: this block's row max, for now
+                        T.barrier_wait(m0_ready, phase)
+                        # the pair's final max (at least warpgroup 0's, which is at least this one's last)
+                        for h in T.Parallel(hb):
+                            m_prev_r[h] = m_r[h]
+                            m_r[h] = T.max(m_s[h], sum_r[h])
+                            alpha_r[h] = T.exp2((m_prev_r[h] - m_r[h]) * scale2)
+                        for h in T.Parallel(hb):
+                            m_s[h] = m_r[h]
+                        T.barrier_arrive(m1_ready)
+                        for h, j in T.Parallel(hb, block_i):
+                            acc_s_r[h, j] = T.exp2(acc_s_r[h, j] * scale2 - m_r[h] * scale2)
+                        T.reduce_sum(acc_s_r, sum_r, dim=1)
+                        for h in T.Parallel(hb):
+                            sumexp_r[h] = sumexp_r[h] * alpha_r[h] + sum_r[h]
+                        for h, d in T.Parallel(hb, half):
+                            acc_o_r[h, d] = acc_o_r[h, d] * alpha_r[h]
+                        T.copy(acc_s_r, p_1)
+                        T.wgmma_gemm(p_1, kv_r1, acc_o_r)
+                        T.copy(acc_s_r, p1_s)
                         T.fence_proxy_async()
-                    for h, d in T.Parallel(hb, half):
-                        acc_o_r[h, d] = acc_o_r[h, d] * alpha_s[h]
-                    if it % 2 == 0:
-                        T.gemm(p_s, kv_r0, acc_o_r)
-                        T.barrier_arrive(free0)
-                    else:
-                        T.gemm(p_s, kv_r1, acc_o_r)
+                        T.barrier_arrive(p1_ready)
+                        T.barrier_wait(p0_ready, phase)
+                        T.wgmma_gemm(p0_s, kv_r0, acc_o_r)
+                        T.wait_wgmma(0)
                         T.barrier_arrive(free1)
-                    T.barrier_arrive(p_free)
-                T.barrier_wait(done, 0)
-                for h, d in T.Parallel(hb, half):
-                    acc_o_r[h, d] = T.if_then_else(sum_s[h] > 0, acc_o_r[h, d] / sum_s[h], 0)
-                store_rows(out, None, acc_o_r, q_r, None, t, by if split else None, h0, half, heads)
+                        T.barrier_arrive(free0)
+                    for h in T.Parallel(hb):
+                        T.call_extern("handle", "dsa_put_row_sum", hb + h, sumexp_r[h])
+                    T.barrier_arrive(done1)
+                    T.barrier_wait(done0, 0)
+                    for h in T.Parallel(hb):
+                        sumexp_r[h] = sumexp_r[h] + T.call_extern(acc, "dsa_row_sum", h)
+                    # both warpgroups end on the same max; this one writes the LSE
+                    normalize(acc_o_r, sum_r, m_r, sumexp_r, scale2)
+                    store_rows(out, lse, acc_o_r, q_r, sum_r, t, by if split else None, h0, half, heads)
+                else:
+                    for it in T.serial(pairs * 2):
+                        T.barrier_wait(p_ready, it & 1)
+                        if copies_async:
+                            T.fence_proxy_async()
+                        for h, d in T.Parallel(hb, half):
+                            acc_o_r[h, d] = acc_o_r[h, d] * alpha_s[h]
+                        if it % 2 == 0:
+                            T.gemm(p_s, kv_r0, acc_o_r)
+                            T.barrier_arrive(free0)
+                        else:
+                            T.gemm(p_s, kv_r1, acc_o_r)
+                            T.barrier_arrive(free1)
+                        T.barrier_arrive(p_free)
+                    T.barrier_wait(done, 0)
+                    for h, d in T.Parallel(hb, half):
+                        acc_o_r[h, d] = T.if_then_else(sum_s[h] > 0, acc_o_r[h, d] / sum_s[h], 0)
+                    store_rows(out, None, acc_o_r, q_r, None, t, by if split else None, h0, half, heads)
             elif tx >= 256:
                 T.set_max_nreg(nreg[2], 0)
                 if staged:

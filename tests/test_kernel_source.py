@@ -188,3 +188,29 @@ def test_staged_copies_respect_row_alignment():
         key = _cuda.attn_keys(kind, 256, 64, 64, 320**-0.5, False, target="cuda", q_fp8=kind == "fp8")[0]
         producer = kernel_body(source(key, "cuda")).split("warpgroup_reg_dealloc")[1]
         assert set(re.findall(r"cp_async_gs_conditional<(\d+)>", producer)) == sizes
+
+
+@pytest.mark.parametrize("name, kind, path, paired", [
+    ("glm-256+0-h64", "bf16", 0, True),  # prefill of narrow bf16 rows: 128-row blocks in pairs
+    ("glm-256+0-h64", "bf16", 1, False),  # its split kernel
+    ("deepseek-512+64-h128", "bf16", 0, False),
+    ("glm-256+0-h64", "packed", 0, False),  # FP8 rows: the producer bounds the kernel
+])
+def test_paired_consumers(name, kind, path, paired):
+    # paired consumers: warpgroup 1 scores a block of its own and multiplies its own probabilities
+    # from registers; the row sums pass between the consumers outside TileLang's shared buffers
+    body = kernel_body(source(attn_keys(name, kind)[path], "cuda"))
+    roles = re.split(r"warpgroup_reg_(?:alloc|dealloc)<\d+>", body)[1:]
+    assert ("wgmma_rs" in roles[1]) == paired
+    assert ("dsa_row_sum" in body) == paired
+
+
+def test_register_budgets_fit_the_launch():
+    # setmaxnreg requests beyond the registers the CTA launched with hang the kernel
+    from csrc_tl.sparse_attn import WS_NREG
+
+    for (_, producers), (first, second, producer) in WS_NREG.items():
+        warpgroups = 2 + producers
+        launch = 65536 // (128 * warpgroups) // 8 * 8
+        assert all(r % 8 == 0 and 24 <= r <= 256 for r in (first, second, producer))
+        assert first + second + producers * producer <= warpgroups * launch
