@@ -618,6 +618,32 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         T.barrier_arrive(ready)
 
     @T.macro
+    def score(q_l, q_r, qt_s, k_l, k_r, k_t, ok_s, acc_s):
+        """``acc_s [hb, block_i]``: the raw scores of the block in stage ``(k_l, k_r, k_t)`` (-inf for
+        invalid entries, whose rows are zeros); the GEMMs are issued back to back and waited for once."""
+        if copies_async:
+            T.fence_proxy_async()  # cp.async wrote the stage; wgmma reads it through the async proxy
+        for h, j in T.Parallel(hb, block_i):
+            acc_s[h, j] = T.if_then_else(ok_s[j] != 0, 0, -T.infinity(acc))
+        T.wgmma_gemm(q_l, k_l, acc_s, transpose_B=True)
+        T.wgmma_gemm(q_r, k_r, acc_s, transpose_B=True)
+        if d_tail:
+            T.wgmma_gemm(qt_s, k_t, acc_s, transpose_B=True)
+        T.wait_wgmma(0)
+
+    @T.macro
+    def exponentiate(acc_s, m, alpha, sum_i, sumexp, acc_o):
+        """Paired consumers: scores ``acc_s`` to probabilities against the max ``m``; the row sums and the
+        output rescaled by ``alpha`` (the factor of the last max to ``m``) take them in."""
+        for h, j in T.Parallel(hb, block_i):
+            acc_s[h, j] = T.exp2(acc_s[h, j] * scale2 - m[h] * scale2)
+        T.reduce_sum(acc_s, sum_i, dim=1)
+        for h in T.Parallel(hb):
+            sumexp[h] = sumexp[h] * alpha[h] + sum_i[h]
+        for h, d in T.Parallel(hb, half):
+            acc_o[h, d] = acc_o[h, d] * alpha[h]
+
+    @T.macro
     def stage_q(q, q_l, q_r, qt_s, t, h0, tx, q_ready):
         """The 256 consumer threads copy this block's q to shared memory (vectorized; the producer
         starts gathering meanwhile) and arrive on ``q_ready``."""
@@ -745,15 +771,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                     for pair in T.serial(pairs):
                         phase = pair & 1
                         T.barrier_wait(ready0, phase)
-                        if copies_async:
-                            T.fence_proxy_async()  # cp.async wrote the stage; wgmma reads it through the async proxy
-                        for h, j in T.Parallel(hb, block_i):
-                            acc_s[h, j] = T.if_then_else(ok0[j] != 0, 0, -T.infinity(acc))
-                        T.wgmma_gemm(q_l, kv_l0, acc_s, transpose_B=True)
-                        T.wgmma_gemm(q_r, kv_r0, acc_s, transpose_B=True)
-                        if d_tail:
-                            T.wgmma_gemm(qt_s, kt_s0, acc_s, transpose_B=True)
-                        T.wait_wgmma(0)
+                        score(q_l, q_r, qt_s, kv_l0, kv_r0, kt_s0, ok0, acc_s)
                         # softmax against this warpgroup's max so far; warpgroup 1 takes it from m_s
                         T.copy(m_i, m_prev)
                         T.reduce_max(acc_s, m_i, dim=1, clear=False)
@@ -762,13 +780,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                         T.barrier_arrive(m0_ready)
                         for h in T.Parallel(hb):
                             alpha[h] = T.exp2((m_prev[h] - m_i[h]) * scale2)
-                        for h, j in T.Parallel(hb, block_i):
-                            acc_s[h, j] = T.exp2(acc_s[h, j] * scale2 - m_i[h] * scale2)
-                        T.reduce_sum(acc_s, sum_i, dim=1)
-                        for h in T.Parallel(hb):
-                            sumexp[h] = sumexp[h] * alpha[h] + sum_i[h]
-                        for h, d in T.Parallel(hb, half):
-                            acc_o[h, d] = acc_o[h, d] * alpha[h]
+                        exponentiate(acc_s, m_i, alpha, sum_i, sumexp, acc_o)
                         T.copy(acc_s, p_0)
                         T.wgmma_gemm(p_0, kv_l0, acc_o)
                         # the pair's final max from warpgroup 1: rescale to it and hand over this block's
@@ -852,15 +864,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                     for pair in T.serial(pairs):
                         phase = pair & 1
                         T.barrier_wait(ready1, phase)
-                        if copies_async:
-                            T.fence_proxy_async()
-                        for h, j in T.Parallel(hb, block_i):
-                            acc_s_r[h, j] = T.if_then_else(ok1[j] != 0, 0, -T.infinity(acc))
-                        T.wgmma_gemm(q_l, kv_l1, acc_s_r, transpose_B=True)
-                        T.wgmma_gemm(q_r, kv_r1, acc_s_r, transpose_B=True)
-                        if d_tail:
-                            T.wgmma_gemm(qt_s, kt_s1, acc_s_r, transpose_B=True)
-                        T.wait_wgmma(0)
+                        score(q_l, q_r, qt_s, kv_l1, kv_r1, kt_s1, ok1, acc_s_r)
                         T.reduce_max(acc_s_r, sum_r, dim=1, clear=True)  # sum_r: this block's row max, for now
                         T.barrier_wait(m0_ready, phase)
                         # the pair's final max (at least warpgroup 0's, which is at least this one's last)
@@ -871,13 +875,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                         for h in T.Parallel(hb):
                             m_s[h] = m_r[h]
                         T.barrier_arrive(m1_ready)
-                        for h, j in T.Parallel(hb, block_i):
-                            acc_s_r[h, j] = T.exp2(acc_s_r[h, j] * scale2 - m_r[h] * scale2)
-                        T.reduce_sum(acc_s_r, sum_r, dim=1)
-                        for h in T.Parallel(hb):
-                            sumexp_r[h] = sumexp_r[h] * alpha_r[h] + sum_r[h]
-                        for h, d in T.Parallel(hb, half):
-                            acc_o_r[h, d] = acc_o_r[h, d] * alpha_r[h]
+                        exponentiate(acc_s_r, m_r, alpha_r, sum_r, sumexp_r, acc_o_r)
                         T.copy(acc_s_r, p_1)
                         T.wgmma_gemm(p_1, kv_r1, acc_o_r)
                         T.copy(acc_s_r, p1_s)
