@@ -108,15 +108,23 @@ def online_softmax(acc_s, acc_o, m_i, m_prev, alpha, sum_i, sumexp, scale2):
     """Fold one block of raw scores ``acc_s [hb, block_i]`` into the running max ``m_i``, the running
     sum ``sumexp`` and the output accumulator ``acc_o [hb, width]``; ``acc_s`` becomes the block's
     unnormalized probabilities and ``alpha`` the factor the earlier blocks were rescaled by."""
-    hb, block_i = acc_s.shape
-    width = acc_o.shape[1]
+    hb = acc_s.shape[0]
     T.copy(m_i, m_prev)
     T.reduce_max(acc_s, m_i, dim=1, clear=False)
     for h in T.Parallel(hb):
         m_i[h] = T.max(m_i[h], m_prev[h])
         alpha[h] = T.exp2((m_prev[h] - m_i[h]) * scale2)
+    exponentiate(acc_s, acc_o, m_i, alpha, sum_i, sumexp, scale2)
+
+
+@T.macro
+def exponentiate(acc_s, acc_o, m, alpha, sum_i, sumexp, scale2):
+    """Scores ``acc_s [hb, block_i]`` to probabilities against the max ``m``; the row sums ``sumexp`` and
+    the output ``acc_o [hb, width]``, rescaled by ``alpha`` (the last max to ``m``), take them in."""
+    hb, block_i = acc_s.shape
+    width = acc_o.shape[1]
     for h, j in T.Parallel(hb, block_i):
-        acc_s[h, j] = T.exp2(acc_s[h, j] * scale2 - m_i[h] * scale2)
+        acc_s[h, j] = T.exp2(acc_s[h, j] * scale2 - m[h] * scale2)
     T.reduce_sum(acc_s, sum_i, dim=1)
     for h in T.Parallel(hb):
         sumexp[h] = sumexp[h] * alpha[h] + sum_i[h]
@@ -632,18 +640,6 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         T.wait_wgmma(0)
 
     @T.macro
-    def exponentiate(acc_s, m, alpha, sum_i, sumexp, acc_o):
-        """Paired consumers: scores ``acc_s`` to probabilities against the max ``m``; the row sums and the
-        output rescaled by ``alpha`` (the factor of the last max to ``m``) take them in."""
-        for h, j in T.Parallel(hb, block_i):
-            acc_s[h, j] = T.exp2(acc_s[h, j] * scale2 - m[h] * scale2)
-        T.reduce_sum(acc_s, sum_i, dim=1)
-        for h in T.Parallel(hb):
-            sumexp[h] = sumexp[h] * alpha[h] + sum_i[h]
-        for h, d in T.Parallel(hb, half):
-            acc_o[h, d] = acc_o[h, d] * alpha[h]
-
-    @T.macro
     def stage_q(q, q_l, q_r, qt_s, t, h0, tx, q_ready):
         """The 256 consumer threads copy this block's q to shared memory (vectorized; the producer
         starts gathering meanwhile) and arrive on ``q_ready``."""
@@ -780,7 +776,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                         T.barrier_arrive(m0_ready)
                         for h in T.Parallel(hb):
                             alpha[h] = T.exp2((m_prev[h] - m_i[h]) * scale2)
-                        exponentiate(acc_s, m_i, alpha, sum_i, sumexp, acc_o)
+                        exponentiate(acc_s, acc_o, m_i, alpha, sum_i, sumexp, scale2)
                         T.copy(acc_s, p_0)
                         T.wgmma_gemm(p_0, kv_l0, acc_o)
                         # the pair's final max from warpgroup 1: rescale to it and hand over this block's
@@ -875,7 +871,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                         for h in T.Parallel(hb):
                             m_s[h] = m_r[h]
                         T.barrier_arrive(m1_ready)
-                        exponentiate(acc_s_r, m_r, alpha_r, sum_r, sumexp_r, acc_o_r)
+                        exponentiate(acc_s_r, acc_o_r, m_r, alpha_r, sum_r, sumexp_r, scale2)
                         T.copy(acc_s_r, p_1)
                         T.wgmma_gemm(p_1, kv_r1, acc_o_r)
                         T.copy(acc_s_r, p1_s)
