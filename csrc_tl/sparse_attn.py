@@ -104,20 +104,6 @@ def head_block(heads: int) -> int:
 
 
 @T.macro
-def online_softmax(acc_s, acc_o, m_i, m_prev, alpha, sum_i, sumexp, scale2):
-    """Fold one block of raw scores ``acc_s [hb, block_i]`` into the running max ``m_i``, the running
-    sum ``sumexp`` and the output accumulator ``acc_o [hb, width]``; ``acc_s`` becomes the block's
-    unnormalized probabilities and ``alpha`` the factor the earlier blocks were rescaled by."""
-    hb = acc_s.shape[0]
-    T.copy(m_i, m_prev)
-    T.reduce_max(acc_s, m_i, dim=1, clear=False)
-    for h in T.Parallel(hb):
-        m_i[h] = T.max(m_i[h], m_prev[h])
-        alpha[h] = T.exp2((m_prev[h] - m_i[h]) * scale2)
-    exponentiate(acc_s, acc_o, m_i, alpha, sum_i, sumexp, scale2)
-
-
-@T.macro
 def exponentiate(acc_s, acc_o, m, alpha, sum_i, sumexp, scale2):
     """Scores ``acc_s [hb, block_i]`` to probabilities against the max ``m``; the row sums ``sumexp`` and
     the output ``acc_o [hb, width]``, rescaled by ``alpha`` (the last max to ``m``), take them in."""
@@ -130,6 +116,20 @@ def exponentiate(acc_s, acc_o, m, alpha, sum_i, sumexp, scale2):
         sumexp[h] = sumexp[h] * alpha[h] + sum_i[h]
     for h, d in T.Parallel(hb, width):
         acc_o[h, d] = acc_o[h, d] * alpha[h]
+
+
+@T.macro
+def online_softmax(acc_s, acc_o, m_i, m_prev, alpha, sum_i, sumexp, scale2):
+    """Fold one block of raw scores ``acc_s [hb, block_i]`` into the running max ``m_i``, the running
+    sum ``sumexp`` and the output accumulator ``acc_o [hb, width]``; ``acc_s`` becomes the block's
+    unnormalized probabilities and ``alpha`` the factor the earlier blocks were rescaled by."""
+    hb = acc_s.shape[0]
+    T.copy(m_i, m_prev)
+    T.reduce_max(acc_s, m_i, dim=1, clear=False)
+    for h in T.Parallel(hb):
+        m_i[h] = T.max(m_i[h], m_prev[h])
+        alpha[h] = T.exp2((m_prev[h] - m_i[h]) * scale2)
+    exponentiate(acc_s, acc_o, m_i, alpha, sum_i, sumexp, scale2)
 
 
 @T.macro
