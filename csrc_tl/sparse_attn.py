@@ -674,13 +674,8 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
             ok0 = T.alloc_shared((block_i,), T.int32)
             ok1 = T.alloc_shared((block_i,), T.int32)
             if paired:
-                # probabilities each consumer shares with the other (bf16, relative to the pair's final
-                # max); warpgroup 0's lives in the RoPE tail of stage 0 where that is free and the same
-                # shape (the score GEMMs are done with it by then)
-                if d_tail == block_i == hb:
-                    p0_s = kt_s0
-                else:
-                    p0_s = T.alloc_shared((hb, block_i), dtype)
+                # probabilities each consumer shares with the other (bf16, relative to the pair's final max)
+                p0_s = T.alloc_shared((hb, block_i), dtype)
                 p1_s = T.alloc_shared((hb, block_i), dtype)
                 m_s = T.alloc_shared((hb,), acc)  # running max, handed from one warpgroup to the other
 
@@ -747,14 +742,14 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                 first, stop = 0, n_valid
             pairs = T.ceildiv(T.max(T.ceildiv(stop, block_i) - first, 0), 2)
 
-            # setmaxnreg moves registers between the warpgroups of the CTA (budgets: WS_NREG). Over bf16
-            # rows the top-k blocks go in pairs: warpgroup 0 scores the block in stage 0 and warpgroup 1
+            # setmaxnreg moves registers between the warpgroups of the CTA (budgets: WS_NREG). Paired
+            # (the prefill of narrow bf16 rows): warpgroup 0 scores the block in stage 0 and warpgroup 1
             # the one in stage 1, at the same time; each then runs PV for its half of the value width
             # over both blocks, its own probabilities from registers and the other's from shared
             # memory. The running max passes 0 -> 1 -> 0 once per pair (m_s), so each softmax overlaps
-            # the other warpgroup's GEMMs. Over FP8 rows, whose producer bounds the kernel, warpgroup 0
-            # scores every block and runs the softmax and warpgroup 1 only its half of PV: a block is
-            # consumed as soon as it is ready, not a pair at a time.
+            # the other warpgroup's GEMMs. Otherwise warpgroup 0 scores every block and runs the
+            # softmax, and warpgroup 1 only its half of PV: a block is consumed as soon as it is ready,
+            # not a pair at a time.
             tx = T.get_thread_binding()
             if tx < 128:
                 T.set_max_nreg(nreg[0], 1)
