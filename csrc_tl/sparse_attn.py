@@ -448,7 +448,9 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
     # BENCHMARKS.md; pairs were no faster for the 576-wide rows and slower where the producer bounds
     # the kernel, over FP8 rows)
     paired = block_i == 128 and geo.kv_kind == "bf16"
-    nreg = WS_NREG["paired" if paired else "single", n_prod] if nreg is None else nreg
+    scheme = ("paired" if paired else "single", n_prod)
+    assert nreg is not None or scheme in WS_NREG, f"no register budgets for {scheme}; pass nreg"
+    nreg = WS_NREG[scheme] if nreg is None else nreg
     rows_per_pass = 128 * n_prod // WS_THREADS_PER_ROW  # rows the producer threads fill at once
     passes = block_i // rows_per_pass
     ready_count = 128 * n_prod * (2 if copies_async else 1)  # producer threads arrive once, or twice with cp.async
@@ -678,37 +680,29 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                 p0_s = T.alloc_shared((hb, block_i), dtype)
                 p1_s = T.alloc_shared((hb, block_i), dtype)
                 m_s = T.alloc_shared((hb,), acc)  # running max, handed from one warpgroup to the other
+            else:
+                p_s = T.alloc_shared((hb, block_i), dtype)
+                alpha_s = T.alloc_shared((hb,), acc)
+                sum_s = T.alloc_shared((hb,), acc)
 
-                # each consumer warpgroup has its own fragments (their layouts bind its own threads)
-                acc_o = T.alloc_fragment((hb, half), acc)  # warpgroup 0: left half of the output
-                acc_s = T.alloc_fragment((hb, block_i), acc)  # warpgroup 0: scores of stage 0
-                p_0 = T.alloc_fragment((hb, block_i), dtype)  # ... and their probabilities (GEMM A operand)
-                m_i = T.alloc_fragment((hb,), acc)
-                m_prev = T.alloc_fragment((hb,), acc)
-                alpha = T.alloc_fragment((hb,), acc)
-                sum_i = T.alloc_fragment((hb,), acc)
-                sumexp = T.alloc_fragment((hb,), acc)
-                acc_o_r = T.alloc_fragment((hb, half), acc)  # warpgroup 1: right half, stage 1
-                acc_s_r = T.alloc_fragment((hb, block_i), acc)
+            # each consumer warpgroup has its own fragments (their layouts bind its own threads)
+            acc_o = T.alloc_fragment((hb, half), acc)  # warpgroup 0: left half of the output
+            acc_o_r = T.alloc_fragment((hb, half), acc)  # warpgroup 1: right half
+            acc_s = T.alloc_fragment((hb, block_i), acc)  # warpgroup 0: scores (of stage 0 when paired)
+            m_i = T.alloc_fragment((hb,), acc)
+            m_prev = T.alloc_fragment((hb,), acc)
+            alpha = T.alloc_fragment((hb,), acc)
+            sum_i = T.alloc_fragment((hb,), acc)
+            sumexp = T.alloc_fragment((hb,), acc)
+            if paired:
+                p_0 = T.alloc_fragment((hb, block_i), dtype)  # warpgroup 0's probabilities (GEMM A operand)
+                acc_s_r = T.alloc_fragment((hb, block_i), acc)  # warpgroup 1: scores of stage 1, and so on
                 p_1 = T.alloc_fragment((hb, block_i), dtype)
                 m_r = T.alloc_fragment((hb,), acc)
                 m_prev_r = T.alloc_fragment((hb,), acc)
                 alpha_r = T.alloc_fragment((hb,), acc)
                 sum_r = T.alloc_fragment((hb,), acc)
                 sumexp_r = T.alloc_fragment((hb,), acc)
-            else:
-                p_s = T.alloc_shared((hb, block_i), dtype)
-                alpha_s = T.alloc_shared((hb,), acc)
-                sum_s = T.alloc_shared((hb,), acc)
-
-                acc_o = T.alloc_fragment((hb, half), acc)  # warpgroup 0: left half of the output
-                acc_o_r = T.alloc_fragment((hb, half), acc)  # warpgroup 1: right half (its own fragment layout)
-                acc_s = T.alloc_fragment((hb, block_i), acc)
-                m_i = T.alloc_fragment((hb,), acc)
-                m_prev = T.alloc_fragment((hb,), acc)
-                alpha = T.alloc_fragment((hb,), acc)
-                sum_i = T.alloc_fragment((hb,), acc)
-                sumexp = T.alloc_fragment((hb,), acc)
 
             ready0 = T.alloc_barrier(arrive_count=ready_count)
             ready1 = T.alloc_barrier(arrive_count=ready_count)
