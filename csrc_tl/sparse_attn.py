@@ -23,7 +23,7 @@ producer warpgroup gathers the next top-k block into one of two shared stages wh
 runs the score GEMMs, the softmax and the left half of PV and warpgroup 1 the right half of PV;
 for the prefill of narrow bf16 rows the two consumer warpgroups instead score the two blocks of a
 pair side by side. Where FP8 rows are staged raw (:func:`ws_staged`), two producer warpgroups
-widen them.
+widen them; wider FP8 rows are copied raw into their own bf16 stage and widened there.
 
 FP8 inputs (native float8_e4m3fn q or kv, and the values of a packed row) are widened to bf16 on
 their way into shared memory and the GEMMs run in bf16: every e4m3 value is exactly a bf16 value,
@@ -385,6 +385,44 @@ __device__ __forceinline__ void dsa_put_row_sum(int i, float v) { dsa_row_sums()
 __device__ __forceinline__ float dsa_row_sum(int i) { return dsa_row_sums()[i]; }
 """
 
+# FP8 rows widened in place (see build_attn_ws): a producer thread reads the raw bytes it copied into
+# its own 32 bytes of a stage's right half, and writes the two widened 16-value chunks (left and right
+# half of the row), each as bf16. e4m3 -> f16 is exact, f16 -> f32 too; the scale multiply and the
+# rounding to bf16 are those of the reference's dequantization.
+WS_WIDEN = """
+__device__ __forceinline__ unsigned dsa_bf16x2(unsigned short fp8x2, float scale, bool scaled) {
+  unsigned h, r;
+  float lo, hi;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(fp8x2));
+  asm("{.reg .f16 a, b; mov.b32 {a, b}, %2; cvt.f32.f16 %0, a; cvt.f32.f16 %1, b;}" : "=f"(lo), "=f"(hi) : "r"(h));
+  if (scaled) { lo *= scale; hi *= scale; }
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+// 8 FP8 values (two 32-bit words) to 8 bf16 values (16 bytes)
+__device__ __forceinline__ uint4 dsa_widen8(unsigned w0, unsigned w1, float scale, bool scaled) {
+  return make_uint4(dsa_bf16x2(w0 & 0xffff, scale, scaled), dsa_bf16x2(w0 >> 16, scale, scaled),
+                    dsa_bf16x2(w1 & 0xffff, scale, scaled), dsa_bf16x2(w1 >> 16, scale, scaled));
+}
+// r0, r1: the 8-value chunks at columns [c, c + 8) and [c + 8, c + 16) of the right half of a row in
+// the stage; they hold the raw right-half bytes [c, c + 16) and left-half bytes [c, c + 16). l0, l1:
+// the left half's chunks at the same columns.
+template <bool kScaled>
+__device__ __forceinline__ void dsa_widen_inplace(void* l0, void* l1, void* r0, void* r1, float scale_l,
+                                                  float scale_r) {
+  uint4 raw_r = *reinterpret_cast<const uint4*>(r0), raw_l = *reinterpret_cast<const uint4*>(r1);
+  *reinterpret_cast<uint4*>(l0) = dsa_widen8(raw_l.x, raw_l.y, scale_l, kScaled);
+  *reinterpret_cast<uint4*>(l1) = dsa_widen8(raw_l.z, raw_l.w, scale_l, kScaled);
+  *reinterpret_cast<uint4*>(r0) = dsa_widen8(raw_r.x, raw_r.y, scale_r, kScaled);
+  *reinterpret_cast<uint4*>(r1) = dsa_widen8(raw_r.z, raw_r.w, scale_r, kScaled);
+}
+// the 8 raw FP8 tail values at the start of a 16-byte tail chunk, widened over it
+__device__ __forceinline__ void dsa_widen_tail_inplace(void* t) {
+  uint2 raw = *reinterpret_cast<const uint2*>(t);
+  *reinterpret_cast<uint4*>(t) = dsa_widen8(raw.x, raw.y, 1.0f, false);
+}
+"""
+
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory one sm_90 block may use
 
 
@@ -393,7 +431,7 @@ def ws_staged(geo: AttnGeometry, block_i: int = 64) -> bool:
     ``b + 1`` into one of two raw shared buffers by cp.async (no registers, no wait) while it widens
     block ``b`` shared-to-shared, so the gather of one block runs behind the widening of the other.
     Needs the raw stages to fit beside q and the two bf16 stages: the 256-wide rows fit, the 512+64
-    rows do not (they widen in registers)."""
+    rows do not (they are widened in place, in their bf16 stage)."""
     if geo.kv_kind == "bf16":
         return False
     hb, d_qk = MAX_HEAD_BLOCK, geo.d_qk
@@ -418,7 +456,8 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
     top-k block one block ahead and issues every row load of a stage predicated, with no branches,
     so they are in flight together: bf16 rows by cp.async straight into shared memory (the copies
     arrive on the stage barrier when they land); staged FP8 rows by cp.async into a raw stage one
-    block ahead, then widened shared-to-shared; other FP8 rows through registers, widened to bf16.
+    block ahead, then widened shared-to-shared; other FP8 rows by cp.async into their own bf16 stage
+    and widened there (``produce_inplace``).
     Rows of invalid entries are written as zeros (never dereferenced) and their scores are -inf, so
     they weigh 0. ``producers`` (1 or 2 warpgroups) defaults to 2 for staged rows, else 1.
     """
@@ -441,6 +480,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
     t_count, s_count, k_count, n_split = T.dynamic("t"), T.dynamic("s"), T.dynamic("k"), T.dynamic("ns")
     copies_async = geo.kv_kind == "bf16"  # bf16 rows go to shared memory as they are, by cp.async
     staged = ws_staged(geo, block_i)
+    inplace = geo.kv_kind != "bf16" and not staged  # FP8 rows without room for raw stages: widened in place
     # two producer warpgroups where staged FP8 rows are widened: the widening bounds the kernel
     n_prod = (2 if staged else 1) if producers is None else producers
     # the prefill of narrow bf16 rows (128-row blocks): the two consumer warpgroups score the blocks
@@ -470,11 +510,6 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         a row of the pool."""
         return (blk * block_i + j < stop) & (raw >= 0) & (raw < s_count)
 
-    def widen(value, ok, scale):
-        """bf16 of an FP8 value (times its tile scale if any); 0 for an invalid row."""
-        x = T.cast(T.if_then_else(ok, value, T.cast(0, T.float8_e4m3fn)), acc)
-        return T.cast(x if scale is None else x * scale, dtype)
-
     @T.macro
     def load_index(indices, t, blk, slot):
         """``slot[p]``: the raw index of this thread's row in pass ``p`` of top-k block ``blk`` (clamped
@@ -487,15 +522,14 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
 
     @T.macro
     def produce(kv, indices, t, blk, stop, nxt, slot, dst_l, dst_r, dst_t, ok_s, ready, free, phase):
-        """Gather top-k block ``blk`` into a stage; its raw indices ``nxt`` were loaded one block
-        earlier, and this loads those of ``blk + 1`` into ``nxt`` (in flight while it gathers)."""
+        """Gather top-k block ``blk`` of bf16 rows into a stage by cp.async; its raw indices ``nxt`` were
+        loaded one block earlier, and this loads those of ``blk + 1`` into ``nxt`` (in flight while it
+        gathers)."""
         T.barrier_wait(free, phase ^ 1)
         tx = T.get_thread_binding() - 2 * 128
         lane = tx % WS_THREADS_PER_ROW
-        if packed:
-            values, scales, tails = row_views(kv)
-        # all slot ids of the stage first, then every row load (branch-free, predicated: invalid rows
-        # become zeros and are never dereferenced), so the loads of a stage are all in flight at once
+        # all slot ids of the stage first, then every row copy (branch-free, predicated: invalid rows
+        # become zeros and are never dereferenced), so the copies of a stage are all in flight at once
         for p in T.unroll(passes):
             j = p * rows_per_pass + tx // WS_THREADS_PER_ROW
             ok = entry_ok(blk, j, stop, nxt[p])
@@ -506,47 +540,24 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
             j = p * rows_per_pass + tx // WS_THREADS_PER_ROW
             ok = slot[p] >= 0
             row = T.max(slot[p], 0)
-            if copies_async:
-                # cp.async straight into shared memory: the whole stage is in flight without registers
-                for c in T.unroll(chunks // 2):
-                    col = (c * WS_THREADS_PER_ROW + lane) * vec
-                    T.ptx_cp_async(T.access_ptr(dst_l[j, col], "w", vec), T.access_ptr(kv[row, col], "r", vec), vec,
-                                   predicate=ok)
-                    T.ptx_cp_async(T.access_ptr(dst_r[j, col], "w", vec), T.access_ptr(kv[row, half + col], "r", vec),
-                                   vec, predicate=ok)
-                if d_tail:
-                    for c in T.unroll(tail_chunks):
-                        col = (c * WS_THREADS_PER_ROW + lane) * 8
-                        T.ptx_cp_async(T.access_ptr(dst_t[j, col], "w", 8), T.access_ptr(kv[row, d_v + col], "r", 8),
-                                       8, predicate=ok)
-            else:
-                # FP8 values are widened in registers (times their tile scale for a packed row)
-                for c in T.unroll(chunks // 2):
-                    col = (c * WS_THREADS_PER_ROW + lane) * vec
-                    sc_l = T.if_then_else(ok, scales[row, scale_word + col // QUANT_TILE], 0.0) if packed else None
-                    sc_r = T.if_then_else(ok, scales[row, scale_word + (half + col) // QUANT_TILE], 0.0) if packed \
-                        else None
-                    for v in T.vectorized(vec):
-                        dst_l[j, col + v] = widen(values[row, col + v] if packed else kv[row, col + v], ok, sc_l)
-                    for v in T.vectorized(vec):
-                        dst_r[j, col + v] = widen(values[row, half + col + v] if packed else kv[row, half + col + v],
-                                                  ok, sc_r)
-                if d_tail:
-                    for c in T.unroll(tail_chunks):
-                        col = (c * WS_THREADS_PER_ROW + lane) * 8
-                        for v in T.vectorized(8):
-                            if packed:
-                                dst_t[j, col + v] = T.if_then_else(ok, tails[row, rope_half + col + v], 0)
-                            else:
-                                dst_t[j, col + v] = widen(kv[row, d_v + col + v], ok, None)
-        # generic-proxy smem writes must be fenced before the consumers' wgmma (async proxy) reads them
+            # cp.async straight into shared memory: the whole stage is in flight without registers
+            for c in T.unroll(chunks // 2):
+                col = (c * WS_THREADS_PER_ROW + lane) * vec
+                T.ptx_cp_async(T.access_ptr(dst_l[j, col], "w", vec), T.access_ptr(kv[row, col], "r", vec), vec,
+                               predicate=ok)
+                T.ptx_cp_async(T.access_ptr(dst_r[j, col], "w", vec), T.access_ptr(kv[row, half + col], "r", vec),
+                               vec, predicate=ok)
+            if d_tail:
+                for c in T.unroll(tail_chunks):
+                    col = (c * WS_THREADS_PER_ROW + lane) * 8
+                    T.ptx_cp_async(T.access_ptr(dst_t[j, col], "w", 8), T.access_ptr(kv[row, d_v + col], "r", 8),
+                                   8, predicate=ok)
         T.fence_proxy_async()
         T.barrier_arrive(ready)
-        if copies_async:
-            # a second arrival per thread once its cp.async copies have landed; no wait here, so
-            # TileLang inserts no warpgroup sync into the producer (a named barrier id it would share
-            # with the first consumer warpgroup: a deadlock)
-            T.cp_async_barrier_noinc(ready)
+        # a second arrival per thread once its cp.async copies have landed; no wait here, so TileLang
+        # inserts no warpgroup sync into the producer (a named barrier id it would share with the
+        # first consumer warpgroup: a deadlock)
+        T.cp_async_barrier_noinc(ready)
 
     @T.macro
     def issue_raw(kv, slot, blk, stop, ok, raw_v, raw_t, raw_sc):
@@ -628,6 +639,66 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         T.barrier_arrive(ready)
 
     @T.macro
+    def produce_inplace(kv, indices, t, blk, stop, nxt, sc, dst_l, dst_r, dst_t, ok_s, ready, free, phase):
+        """Gather top-k block ``blk`` (raw indices ``nxt``, loaded one block earlier) into a stage and
+        widen it there. Each thread copies the raw bytes of its two 16-value chunks (left and right half
+        of a row) by cp.async into the 32 bytes of the stage that its right-half chunk will occupy
+        widened, waits for its own copies only, and widens them in place: no thread reads bytes that
+        another one writes, so no raw buffer and no barrier among the producer threads is needed."""
+        T.barrier_wait(free, phase ^ 1)
+        tx = T.get_thread_binding() - 2 * 128
+        lane = tx % WS_THREADS_PER_ROW
+        words = T.view(kv, (s_count, row_w // 2), dtype)  # the rows in 2-byte words, as the stage counts them
+        w = piece // 2  # words per cp.async of FP8 values
+        if packed:
+            scales = T.view(kv, (s_count, row_w // 4), T.float32)
+        for p in T.unroll(passes):
+            j = p * rows_per_pass + tx // WS_THREADS_PER_ROW
+            ok = entry_ok(blk, j, stop, nxt[p])
+            ok_s[j] = T.if_then_else(ok, 1, 0)
+            row = T.if_then_else(ok, nxt[p], 0)
+            for c in T.unroll(chunks // 2):
+                col = (c * WS_THREADS_PER_ROW + lane) * vec
+                for k in T.unroll(vec // piece):
+                    # right-half bytes to columns [col, col + 8) of dst_r, left-half bytes to [col + 8, col + 16)
+                    T.ptx_cp_async(T.access_ptr(dst_r[j, col + k * w], "w", w),
+                                   T.access_ptr(words[row, (half + col + k * piece) // 2], "r", w), w, predicate=ok)
+                    T.ptx_cp_async(T.access_ptr(dst_r[j, col + 8 + k * w], "w", w),
+                                   T.access_ptr(words[row, (col + k * piece) // 2], "r", w), w, predicate=ok)
+            if d_tail:
+                for c in T.unroll(tail_chunks):
+                    col = (c * WS_THREADS_PER_ROW + lane) * 8
+                    if packed:  # bf16 already: copied as they are
+                        for k in T.unroll(8 // tail_piece):
+                            T.ptx_cp_async(T.access_ptr(dst_t[j, col + k * tail_piece], "w", tail_piece),
+                                           T.access_ptr(words[row, rope_half + col + k * tail_piece], "r", tail_piece),
+                                           tail_piece, predicate=ok)
+                    else:  # 8 FP8 values into the first half of their 16-byte chunk
+                        T.ptx_cp_async(T.access_ptr(dst_t[j, col], "w", 4),
+                                       T.access_ptr(words[row, (d_v + col) // 2], "r", 4), 4, predicate=ok)
+            if packed:
+                for i in T.unroll(n_tiles):
+                    sc[p, i] = T.if_then_else(ok, scales[row, scale_word + i], 0.0)
+        T.ptx_commit_group()
+        load_index(indices, t, blk + 1, nxt)
+        T.call_extern("handle", "tl::cp_async_wait<0>")  # this thread's own copies (T.ptx_wait_group adds a barrier)
+        for p in T.unroll(passes):
+            j = p * rows_per_pass + tx // WS_THREADS_PER_ROW
+            for c in T.unroll(chunks // 2):
+                col = (c * WS_THREADS_PER_ROW + lane) * vec
+                # a thread's chunk c of each half lies in tile c of that half
+                T.call_extern("handle", "dsa_widen_inplace<true>" if packed else "dsa_widen_inplace<false>",
+                              T.access_ptr(dst_l[j, col], "w", 8), T.access_ptr(dst_l[j, col + 8], "w", 8),
+                              T.access_ptr(dst_r[j, col], "rw", 8), T.access_ptr(dst_r[j, col + 8], "rw", 8),
+                              sc[p, c] if packed else 1.0, sc[p, half // QUANT_TILE + c] if packed else 1.0)
+            if d_tail and not packed:
+                for c in T.unroll(tail_chunks):
+                    col = (c * WS_THREADS_PER_ROW + lane) * 8
+                    T.call_extern("handle", "dsa_widen_tail_inplace", T.access_ptr(dst_t[j, col], "rw", 8))
+        T.fence_proxy_async()
+        T.barrier_arrive(ready)
+
+    @T.macro
     def score(q_l, q_r, qt_s, k_l, k_r, k_t, ok_s, acc_s):
         """``acc_s [hb, block_i]``: the raw scores of the block in stage ``(k_l, k_r, k_t)`` (-inf for
         invalid entries, whose rows are zeros); the GEMMs are issued back to back and waited for once."""
@@ -652,10 +723,12 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         T.fence_proxy_async()  # generic stores, read by wgmma through the async proxy
         T.barrier_arrive(q_ready)
 
+    prelude = (WS_PRELUDE if paired else "") + (WS_WIDEN if inplace else "") or None
+
     @T.macro
     def attend(q, kv, indices, topk_length, out, lse):
         grid = (t_count * groups, n_split if split else 1)
-        with T.Kernel(*grid, threads=128 * (2 + n_prod), prelude=WS_PRELUDE if paired else None) as (bx, by):
+        with T.Kernel(*grid, threads=128 * (2 + n_prod), prelude=prelude) as (bx, by):
             q_l = T.alloc_shared((hb, half), dtype)
             q_r = T.alloc_shared((hb, half), dtype)
             kv_l0 = T.alloc_shared((block_i, half), dtype)
@@ -900,7 +973,16 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                     store_rows(out, None, acc_o_r, q_r, None, t, by if split else None, h0, half, heads)
             elif tx >= 256:
                 T.set_max_nreg(nreg[2], 0)
-                if staged:
+                if inplace:
+                    nxt = T.alloc_local((passes,), T.int32)
+                    sc = T.alloc_local((passes, n_tiles), acc) if packed else None  # the rows' scales
+                    load_index(indices, t, first, nxt)
+                    for pair in T.serial(pairs):
+                        produce_inplace(kv, indices, t, first + 2 * pair, stop, nxt, sc, kv_l0, kv_r0, kt_s0, ok0,
+                                        ready0, free0, pair & 1)
+                        produce_inplace(kv, indices, t, first + 2 * pair + 1, stop, nxt, sc, kv_l1, kv_r1, kt_s1, ok1,
+                                        ready1, free1, pair & 1)
+                elif staged:
                     nxt = T.alloc_local((passes,), T.int32)
                     ok_a = T.alloc_local((passes,), T.int32)  # valid rows of the block in raw0
                     ok_b = T.alloc_local((passes,), T.int32)  # ... in raw1

@@ -84,11 +84,9 @@ def attn_keys(kv_kind: str, d_v: int, d_rope: int, heads: int, sm_scale: float, 
     """The kernels ``sparse_attn`` runs for one geometry on ``target`` (default: this machine's), in
     this order: the prefill kernel; the split decode kernels; the decode's combine (last).
 
-    Where the geometry allows on sm_90 CUDA, prefill and split decode are warp-specialized; over FP8
-    rows that its producer widens in registers (the 512+64 rows) decode also has the portable split
-    kernel, for splits of one or two top-k blocks (where its shorter start wins, see
-    :func:`plan_attn`). ``kv_kind`` is "bf16", "fp8" or "packed"; ``q_fp8`` picks the kernels for a
-    float8_e4m3fn q."""
+    Where the geometry allows on sm_90 CUDA, prefill and split decode are warp-specialized, else
+    both are the portable kernels. ``kv_kind`` is "bf16", "fp8" or "packed"; ``q_fp8`` picks the
+    kernels for a float8_e4m3fn q."""
     from csrc_tl.sparse_attn import AttnGeometry, ws_supported
 
     geo = AttnGeometry(d_v, d_rope, heads, kv_kind, has_topk_length, float(sm_scale), q_fp8)
@@ -99,18 +97,9 @@ def attn_keys(kv_kind: str, d_v: int, d_rope: int, heads: int, sm_scale: float, 
     if "prefill" in paths:
         keys.append(KernelKey("attn_prefill_ws" if ws else "attn_prefill", geo))
     if "decode" in paths:
-        keys += [KernelKey("attn_decode_ws", geo)] if ws else []
-        keys += [KernelKey("attn_decode", geo)] if not ws or not _ws_splits_always(geo) else []
+        keys.append(KernelKey("attn_decode_ws" if ws else "attn_decode", geo))
         keys.append(KernelKey("combine", (d_v, heads)))
     return keys
-
-
-def _ws_splits_always(geo) -> bool:
-    """Whether the warp-specialized split kernel serves every split of ``geo`` (bf16 rows, and FP8
-    rows staged raw and widened by two producer warpgroups); else short splits take the portable one."""
-    from csrc_tl.sparse_attn import ws_staged
-
-    return geo.kv_kind == "bf16" or ws_staged(geo)
 
 
 def lower_source(key: KernelKey, target: str) -> str:
@@ -249,11 +238,9 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-# Split decode on sm_90 (H200 measurements, BENCHMARKS.md): over bf16 rows and staged FP8 rows the
-# warp-specialized split kernel wins from two top-k blocks per split on (one block leaves it nothing
-# to overlap); over FP8 rows widened in registers only from three, else the portable kernel.
+# Split decode on sm_90 (H200 measurements, BENCHMARKS.md): the warp-specialized split kernel wants
+# two top-k blocks per split or more (one block leaves it nothing to overlap).
 WS_SPLIT_BLOCKS = 2
-WS_FP8_MIN_BLOCKS = 3
 
 
 def plan_splits(tokens: int, heads: int, topk: int, sm_count: int, min_blocks: int = 1) -> int:
@@ -289,15 +276,11 @@ def plan_attn(kv_kind: str, d_v: int, d_rope: int, heads: int, sm_scale: float, 
     geo = (kv_kind, d_v, d_rope, heads, sm_scale, has_topk_length)
     splits = plan_splits(tokens, heads, topk, sm_count)
     if splits > 1:
-        keys = attn_keys(*geo, paths=("decode",), target=target, q_fp8=q_fp8)
-        ws = keys[0].family == "attn_decode_ws"  # keys: [decode_ws,] [decode,] combine
-        always = ws and _ws_splits_always(keys[0].spec)
-        if always:
+        keys = attn_keys(*geo, paths=("decode",), target=target, q_fp8=q_fp8)  # split kernel, combine
+        if keys[0].family == "attn_decode_ws":
             splits = plan_splits(tokens, heads, topk, sm_count, WS_SPLIT_BLOCKS)
         if splits > 1:
-            blocks_per_split = math.ceil(topk // TOPK_MULTIPLE / splits)
-            use_ws = always or (ws and blocks_per_split >= WS_FP8_MIN_BLOCKS)
-            return AttnPlan((keys[0] if use_ws else keys[-2], keys[-1]), splits)
+            return AttnPlan(tuple(keys), splits)
     return AttnPlan(tuple(attn_keys(*geo, paths=("prefill",), target=target, q_fp8=q_fp8)), 1)
 
 

@@ -254,9 +254,8 @@ def test_glm_prefill_partial_last_block(kind):
 @pytest.mark.parametrize("t_count, topk", [(3, 256), (24, 1024), (300, 256)],
                          ids=["decode", "decode-long-splits", "prefill"])
 def test_geometries(geo, kind, t_count, topk):
-    # 3 tokens of 256: splits of one or two top-k blocks (the portable split kernel over 512+64 FP8
-    # rows, else the warp-specialized one where the geometry has it); 24 tokens of 1024: splits of 4
-    # or more blocks (the warp-specialized split kernel where the geometry has one)
+    # 3 tokens of 256: splits of two top-k blocks (one where the portable split kernel runs);
+    # 24 tokens of 1024: splits of 4 or more blocks
     got, want = run_both(attn_inputs(geo, kind, t_count, topk, seed=t_count))
     check_attn(got, want)
 
