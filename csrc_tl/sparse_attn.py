@@ -385,10 +385,10 @@ __device__ __forceinline__ void dsa_put_row_sum(int i, float v) { dsa_row_sums()
 __device__ __forceinline__ float dsa_row_sum(int i) { return dsa_row_sums()[i]; }
 """
 
-# FP8 rows widened in place (see build_attn_ws): a producer thread reads the raw bytes it copied into
-# its own 32 bytes of a stage's right half, and writes the two widened 16-value chunks (left and right
-# half of the row), each as bf16. e4m3 -> f16 is exact, f16 -> f32 too; the scale multiply and the
-# rounding to bf16 are those of the reference's dequantization.
+# FP8 rows widened in place (see build_attn_ws): the 16 raw values of a 16-value chunk lie in the
+# second half of the 32 bytes the chunk takes widened, and the thread that copied them widens them over
+# those 32 bytes. e4m3 -> f16 is exact, f16 -> f32 too; the scale multiply and the rounding to bf16 are
+# those of the reference's dequantization.
 WS_WIDEN = """
 __device__ __forceinline__ unsigned dsa_bf16x2(unsigned short fp8x2, float scale, bool scaled) {
   unsigned h, r;
@@ -404,17 +404,17 @@ __device__ __forceinline__ uint4 dsa_widen8(unsigned w0, unsigned w1, float scal
   return make_uint4(dsa_bf16x2(w0 & 0xffff, scale, scaled), dsa_bf16x2(w0 >> 16, scale, scaled),
                     dsa_bf16x2(w1 & 0xffff, scale, scaled), dsa_bf16x2(w1 >> 16, scale, scaled));
 }
-// r0, r1: the 8-value chunks at columns [c, c + 8) and [c + 8, c + 16) of the right half of a row in
-// the stage; they hold the raw right-half bytes [c, c + 16) and left-half bytes [c, c + 16). l0, l1:
-// the left half's chunks at the same columns.
+// Chunks of 16 values, each given as (d0, d1, scale): d0 and d1 are its two 8-value bf16 halves in a
+// stage, and d1 holds its 16 raw FP8 values until they are widened over both. Every chunk's raw values
+// are loaded before any chunk is stored, so the shared-memory loads are in flight together.
 template <bool kScaled>
-__device__ __forceinline__ void dsa_widen_inplace(void* l0, void* l1, void* r0, void* r1, float scale_l,
-                                                  float scale_r) {
-  uint4 raw_r = *reinterpret_cast<const uint4*>(r0), raw_l = *reinterpret_cast<const uint4*>(r1);
-  *reinterpret_cast<uint4*>(l0) = dsa_widen8(raw_l.x, raw_l.y, scale_l, kScaled);
-  *reinterpret_cast<uint4*>(l1) = dsa_widen8(raw_l.z, raw_l.w, scale_l, kScaled);
-  *reinterpret_cast<uint4*>(r0) = dsa_widen8(raw_r.x, raw_r.y, scale_r, kScaled);
-  *reinterpret_cast<uint4*>(r1) = dsa_widen8(raw_r.z, raw_r.w, scale_r, kScaled);
+__device__ __forceinline__ void dsa_widen_inplace() {}
+template <bool kScaled, typename... Rest>
+__device__ __forceinline__ void dsa_widen_inplace(void* d0, void* d1, float scale, Rest... rest) {
+  uint4 raw = *reinterpret_cast<const uint4*>(d1);
+  dsa_widen_inplace<kScaled>(rest...);
+  *reinterpret_cast<uint4*>(d0) = dsa_widen8(raw.x, raw.y, scale, kScaled);
+  *reinterpret_cast<uint4*>(d1) = dsa_widen8(raw.z, raw.w, scale, kScaled);
 }
 // the 8 raw FP8 tail values at the start of a 16-byte tail chunk, widened over it
 __device__ __forceinline__ void dsa_widen_tail_inplace(void* t) {
@@ -638,13 +638,27 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         T.fence_proxy_async()
         T.barrier_arrive(ready)
 
+    def widen_args(dst_l, dst_r, sc, p, j, lane):
+        """``dsa_widen_inplace``'s arguments for this thread's chunks of row ``j`` (pass ``p``): per chunk
+        its two 8-value halves (the second holds the raw values) and its scale. Chunk ``c`` of a half
+        lies in tile ``c`` of that half."""
+        args = []
+        for c in range(chunks // 2):
+            col = (c * WS_THREADS_PER_ROW + lane) * vec
+            args += [T.address_of(dst_l[j, col]), T.address_of(dst_l[j, col + 8]), sc[p, c] if packed else 1.0]
+            args += [T.address_of(dst_r[j, col]), T.address_of(dst_r[j, col + 8]),
+                     sc[p, half // QUANT_TILE + c] if packed else 1.0]
+        return args
+
     @T.macro
     def produce_inplace(kv, indices, t, blk, stop, nxt, sc, dst_l, dst_r, dst_t, ok_s, ready, free, phase):
         """Gather top-k block ``blk`` (raw indices ``nxt``, loaded one block earlier) into a stage and
-        widen it there. Each thread copies the raw bytes of its two 16-value chunks (left and right half
-        of a row) by cp.async into the 32 bytes of the stage that its right-half chunk will occupy
-        widened, waits for its own copies only, and widens them in place: no thread reads bytes that
-        another one writes, so no raw buffer and no barrier among the producer threads is needed."""
+        widen it there. Each thread copies the raw bytes of each of its 16-value chunks by cp.async into
+        the second half of the 32 bytes the chunk takes widened, waits for its own copies only, and
+        widens them in place: no thread reads bytes that another one writes, so no raw buffer and no
+        barrier among the producer threads is needed. (The widening addresses are taken with
+        ``T.address_of``: TileLang would separate accesses it sees through ``T.access_ptr`` by a barrier
+        among the producer threads between every two chunks.)"""
         T.barrier_wait(free, phase ^ 1)
         tx = T.get_thread_binding() - 2 * 128
         lane = tx % WS_THREADS_PER_ROW
@@ -659,12 +673,11 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
             row = T.if_then_else(ok, nxt[p], 0)
             for c in T.unroll(chunks // 2):
                 col = (c * WS_THREADS_PER_ROW + lane) * vec
-                for k in T.unroll(vec // piece):
-                    # right-half bytes to columns [col, col + 8) of dst_r, left-half bytes to [col + 8, col + 16)
-                    T.ptx_cp_async(T.access_ptr(dst_r[j, col + k * w], "w", w),
-                                   T.access_ptr(words[row, (half + col + k * piece) // 2], "r", w), w, predicate=ok)
-                    T.ptx_cp_async(T.access_ptr(dst_r[j, col + 8 + k * w], "w", w),
+                for k in T.unroll(vec // piece):  # into the second half of the chunk's 32 bytes
+                    T.ptx_cp_async(T.access_ptr(dst_l[j, col + 8 + k * w], "w", w),
                                    T.access_ptr(words[row, (col + k * piece) // 2], "r", w), w, predicate=ok)
+                    T.ptx_cp_async(T.access_ptr(dst_r[j, col + 8 + k * w], "w", w),
+                                   T.access_ptr(words[row, (half + col + k * piece) // 2], "r", w), w, predicate=ok)
             if d_tail:
                 for c in T.unroll(tail_chunks):
                     col = (c * WS_THREADS_PER_ROW + lane) * 8
@@ -684,17 +697,12 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         T.call_extern("handle", "tl::cp_async_wait<0>")  # this thread's own copies (T.ptx_wait_group adds a barrier)
         for p in T.unroll(passes):
             j = p * rows_per_pass + tx // WS_THREADS_PER_ROW
-            for c in T.unroll(chunks // 2):
-                col = (c * WS_THREADS_PER_ROW + lane) * vec
-                # a thread's chunk c of each half lies in tile c of that half
-                T.call_extern("handle", "dsa_widen_inplace<true>" if packed else "dsa_widen_inplace<false>",
-                              T.access_ptr(dst_l[j, col], "w", 8), T.access_ptr(dst_l[j, col + 8], "w", 8),
-                              T.access_ptr(dst_r[j, col], "rw", 8), T.access_ptr(dst_r[j, col + 8], "rw", 8),
-                              sc[p, c] if packed else 1.0, sc[p, half // QUANT_TILE + c] if packed else 1.0)
+            T.call_extern("handle", "dsa_widen_inplace<true>" if packed else "dsa_widen_inplace<false>",
+                          *widen_args(dst_l, dst_r, sc, p, j, lane))
             if d_tail and not packed:
                 for c in T.unroll(tail_chunks):
                     col = (c * WS_THREADS_PER_ROW + lane) * 8
-                    T.call_extern("handle", "dsa_widen_tail_inplace", T.access_ptr(dst_t[j, col], "rw", 8))
+                    T.call_extern("handle", "dsa_widen_tail_inplace", T.address_of(dst_t[j, col]))
         T.fence_proxy_async()
         T.barrier_arrive(ready)
 
