@@ -385,10 +385,10 @@ __device__ __forceinline__ void dsa_put_row_sum(int i, float v) { dsa_row_sums()
 __device__ __forceinline__ float dsa_row_sum(int i) { return dsa_row_sums()[i]; }
 """
 
-# FP8 rows widened in place (see build_attn_ws): the 16 raw values of a 16-value chunk lie in the
-# second half of the 32 bytes the chunk takes widened, and the thread that copied them widens them over
-# those 32 bytes. e4m3 -> f16 is exact, f16 -> f32 too; the scale multiply and the rounding to bf16 are
-# those of the reference's dequantization.
+# The widening of FP8 rows in the producer of build_attn_ws (staged rows: from their raw stage; other
+# rows in place, where the 16 raw values of a 16-value chunk lie in the second half of the 32 bytes
+# the chunk takes widened). e4m3 -> f16 is exact, f16 -> f32 too; the scale multiply and the rounding
+# to bf16 are those of the reference's dequantization.
 WS_WIDEN = """
 __device__ __forceinline__ unsigned dsa_bf16x2(unsigned short fp8x2, float scale, bool scaled) {
   unsigned h, r;
@@ -404,17 +404,18 @@ __device__ __forceinline__ uint4 dsa_widen8(unsigned w0, unsigned w1, float scal
   return make_uint4(dsa_bf16x2(w0 & 0xffff, scale, scaled), dsa_bf16x2(w0 >> 16, scale, scaled),
                     dsa_bf16x2(w1 & 0xffff, scale, scaled), dsa_bf16x2(w1 >> 16, scale, scaled));
 }
-// Chunks of 16 values, each given as (d0, d1, scale): d0 and d1 are its two 8-value bf16 halves in a
-// stage, and d1 holds its 16 raw FP8 values until they are widened over both. Every chunk's raw values
-// are loaded before any chunk is stored, so the shared-memory loads are in flight together.
+// Chunks of 16 FP8 values, each given as (raw, d0, d1, scale): raw points to its 16 raw values, d0 and
+// d1 to the two 8-value bf16 halves it takes widened in a stage (raw may be d1: widened in place).
+// Every chunk's raw values are loaded before any chunk is stored, so the shared-memory loads are in
+// flight together.
 template <bool kScaled>
-__device__ __forceinline__ void dsa_widen_inplace() {}
+__device__ __forceinline__ void dsa_widen() {}
 template <bool kScaled, typename... Rest>
-__device__ __forceinline__ void dsa_widen_inplace(void* d0, void* d1, float scale, Rest... rest) {
-  uint4 raw = *reinterpret_cast<const uint4*>(d1);
-  dsa_widen_inplace<kScaled>(rest...);
-  *reinterpret_cast<uint4*>(d0) = dsa_widen8(raw.x, raw.y, scale, kScaled);
-  *reinterpret_cast<uint4*>(d1) = dsa_widen8(raw.z, raw.w, scale, kScaled);
+__device__ __forceinline__ void dsa_widen(const void* raw, void* d0, void* d1, float scale, Rest... rest) {
+  uint4 v = *reinterpret_cast<const uint4*>(raw);
+  dsa_widen<kScaled>(rest...);
+  *reinterpret_cast<uint4*>(d0) = dsa_widen8(v.x, v.y, scale, kScaled);
+  *reinterpret_cast<uint4*>(d1) = dsa_widen8(v.z, v.w, scale, kScaled);
 }
 // the 8 raw FP8 tail values at the start of a 16-byte tail chunk, widened over it
 __device__ __forceinline__ void dsa_widen_tail_inplace(void* t) {
@@ -559,6 +560,21 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         # first consumer warpgroup: a deadlock)
         T.cp_async_barrier_noinc(ready)
 
+    def widen(raw_v, dst_l, dst_r, sc, p, j, lane):
+        """The call that widens this thread's chunks of row ``j`` (pass ``p``) into ``dst_l`` / ``dst_r``,
+        from the raw stage ``raw_v`` or, if it is None, in place (a chunk's raw values in the second half
+        of its bytes); ``sc[p, :]`` the row's tile scales (packed rows). Chunk ``c`` of a half lies in
+        tile ``c`` of that half. The addresses are taken with ``T.address_of``: TileLang would separate
+        accesses it sees through ``T.access_ptr`` by a barrier among the producer threads between every
+        two chunks, though each thread reads only bytes it copied itself."""
+        args = []
+        for c in range(chunks // 2):
+            col = (c * WS_THREADS_PER_ROW + lane) * vec
+            for dst, base, tile in ((dst_l, 0, c), (dst_r, half, half // QUANT_TILE + c)):
+                raw = T.address_of(dst[j, col + 8]) if raw_v is None else T.address_of(raw_v[j, base + col])
+                args += [raw, T.address_of(dst[j, col]), T.address_of(dst[j, col + 8]), sc[p, tile] if packed else 1.0]
+        return T.call_extern("handle", "dsa_widen<true>" if packed else "dsa_widen<false>", *args)
+
     @T.macro
     def issue_raw(kv, slot, blk, stop, ok, raw_v, raw_t, raw_sc):
         """cp.async of the bytes this thread will widen for top-k block ``blk`` (its chunks of its rows;
@@ -599,23 +615,25 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         """Widen this thread's bytes of a raw stage into the bf16 stage (zeros stay zeros)."""
         tx = T.get_thread_binding() - 2 * 128
         lane = tx % WS_THREADS_PER_ROW
+        # Measured (H200, BENCHMARKS.md): the rows of a packed pool widen faster through TileLang's
+        # per-chunk casts (GLM prefill 322 against 293 TFLOPS), native FP8 rows through `widen` (343
+        # against 299).
+        if not packed:
+            for p in T.unroll(passes):
+                j = p * rows_per_pass + tx // WS_THREADS_PER_ROW
+                widen(raw_v, dst_l, dst_r, raw_sc, p, j, lane)
         for p in T.unroll(passes):
             j = p * rows_per_pass + tx // WS_THREADS_PER_ROW
             ok_s[j] = ok[p]
-            for c in T.unroll(chunks // 2):
-                col = (c * WS_THREADS_PER_ROW + lane) * vec
-                if packed:  # a thread's chunk c of each half lies in tile c of that half
+            if packed:
+                for c in T.unroll(chunks // 2):  # a thread's chunk c of each half lies in tile c of that half
+                    col = (c * WS_THREADS_PER_ROW + lane) * vec
                     sc_l = raw_sc[p, c]
                     sc_r = raw_sc[p, half // QUANT_TILE + c]
                     for v in T.vectorized(vec):
                         dst_l[j, col + v] = T.cast(T.cast(raw_v[j, col + v], acc) * sc_l, dtype)
                     for v in T.vectorized(vec):
                         dst_r[j, col + v] = T.cast(T.cast(raw_v[j, half + col + v], acc) * sc_r, dtype)
-                else:
-                    for v in T.vectorized(vec):
-                        dst_l[j, col + v] = T.cast(raw_v[j, col + v], dtype)
-                    for v in T.vectorized(vec):
-                        dst_r[j, col + v] = T.cast(raw_v[j, half + col + v], dtype)
             if d_tail:
                 for c in T.unroll(tail_chunks):
                     col = (c * WS_THREADS_PER_ROW + lane) * 8
@@ -637,18 +655,6 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         widen_raw(ok_now, *raw_now, dst_l, dst_r, dst_t, ok_s)
         T.fence_proxy_async()
         T.barrier_arrive(ready)
-
-    def widen_args(dst_l, dst_r, sc, p, j, lane):
-        """``dsa_widen_inplace``'s arguments for this thread's chunks of row ``j`` (pass ``p``): per chunk
-        its two 8-value halves (the second holds the raw values) and its scale. Chunk ``c`` of a half
-        lies in tile ``c`` of that half."""
-        args = []
-        for c in range(chunks // 2):
-            col = (c * WS_THREADS_PER_ROW + lane) * vec
-            args += [T.address_of(dst_l[j, col]), T.address_of(dst_l[j, col + 8]), sc[p, c] if packed else 1.0]
-            args += [T.address_of(dst_r[j, col]), T.address_of(dst_r[j, col + 8]),
-                     sc[p, half // QUANT_TILE + c] if packed else 1.0]
-        return args
 
     @T.macro
     def produce_inplace(kv, indices, t, blk, stop, nxt, sc, dst_l, dst_r, dst_t, ok_s, ready, free, phase):
@@ -697,8 +703,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         T.call_extern("handle", "tl::cp_async_wait<0>")  # this thread's own copies (T.ptx_wait_group adds a barrier)
         for p in T.unroll(passes):
             j = p * rows_per_pass + tx // WS_THREADS_PER_ROW
-            T.call_extern("handle", "dsa_widen_inplace<true>" if packed else "dsa_widen_inplace<false>",
-                          *widen_args(dst_l, dst_r, sc, p, j, lane))
+            widen(None, dst_l, dst_r, sc, p, j, lane)
             if d_tail and not packed:
                 for c in T.unroll(tail_chunks):
                     col = (c * WS_THREADS_PER_ROW + lane) * 8
@@ -731,7 +736,8 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         T.fence_proxy_async()  # generic stores, read by wgmma through the async proxy
         T.barrier_arrive(q_ready)
 
-    prelude = (WS_PRELUDE if paired else "") + (WS_WIDEN if inplace else "") or None
+    calls_widen = inplace or (staged and not packed)  # (see widen_raw)
+    prelude = (WS_PRELUDE if paired else "") + (WS_WIDEN if calls_widen else "") or None
 
     @T.macro
     def attend(q, kv, indices, topk_length, out, lse):
