@@ -662,9 +662,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         widen it there. Each thread copies the raw bytes of each of its 16-value chunks by cp.async into
         the second half of the 32 bytes the chunk takes widened, waits for its own copies only, and
         widens them in place: no thread reads bytes that another one writes, so no raw buffer and no
-        barrier among the producer threads is needed. (The widening addresses are taken with
-        ``T.address_of``: TileLang would separate accesses it sees through ``T.access_ptr`` by a barrier
-        among the producer threads between every two chunks.)"""
+        barrier among the producer threads is needed."""
         T.barrier_wait(free, phase ^ 1)
         tx = T.get_thread_binding() - 2 * 128
         lane = tx % WS_THREADS_PER_ROW

@@ -91,6 +91,11 @@ def test_attention_sources(name, kind, target):
             assert "cp_async" in roles[2]
             assert ("cp_async_wait" in roles[2]) == (kind != "bf16")
             assert ("dsa_widen<" in roles[2]) == (kind == "fp8" or kind == "packed" and not staged)
+            # each thread widens only bytes it copied itself: no barrier among the producer threads
+            # inside the loop of widening calls (TileLang puts one there when it sees the stage's reads
+            # and writes through T.access_ptr; it cost ~10% at DeepSeek geometry)
+            assert not re.search(r"\{\s*tl::__sync_thread_partial\([^;]*;\s*(#pragma unroll\s*)?"
+                                 r"(for \([^)]*\) \{\s*)?dsa_widen<", roles[2])
             assert ("mbarrier_cp_async_arrive_noinc" in roles[2]) == (kind == "bf16")
             # q reaches shared memory in 16-byte vectors: a scalar copy (what TileLang makes of a
             # [64, d] tile over 384 threads) once took ~23% of the kernel's time
