@@ -417,6 +417,18 @@ __device__ __forceinline__ void dsa_widen(const void* raw, void* d0, void* d1, f
   *reinterpret_cast<uint4*>(d0) = dsa_widen8(v.x, v.y, scale, kScaled);
   *reinterpret_cast<uint4*>(d1) = dsa_widen8(v.z, v.w, scale, kScaled);
 }
+// Stores and copies of the in-place producer addressed with T.address_of, out of sight of TileLang's
+// barrier planner (see produce_inplace): a flag, and a cp.async of N bytes (zeros where pred is false).
+__device__ __forceinline__ void dsa_put_flag(int* p, int v) { *p = v; }
+template <int N>
+__device__ __forceinline__ void dsa_cp_async(void* smem, const void* gmem, bool pred) {
+  unsigned a = (unsigned)__cvta_generic_to_shared(smem);
+  if constexpr (N == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(a), "l"(gmem), "r"(pred ? 16 : 0) : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" :: "r"(a), "l"(gmem), "n"(N), "r"(pred ? N : 0) : "memory");
+  }
+}
 // the 8 raw FP8 tail values at the start of a 16-byte tail chunk, widened over it
 __device__ __forceinline__ void dsa_widen_tail_inplace(void* t) {
   uint2 raw = *reinterpret_cast<const uint2*>(t);
@@ -656,13 +668,20 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         T.fence_proxy_async()
         T.barrier_arrive(ready)
 
+    def cp_async(dst, src, nbytes, pred):
+        """cp.async of ``nbytes`` from ``src`` to ``dst`` (zeros where ``pred`` is false), out of sight of
+        TileLang's barrier planner (``T.address_of``; the in-place producer, see there)."""
+        return T.call_extern("handle", f"dsa_cp_async<{nbytes}>", T.address_of(dst), T.address_of(src), pred)
+
     @T.macro
     def produce_inplace(kv, indices, t, blk, stop, nxt, sc, dst_l, dst_r, dst_t, ok_s, ready, free, phase):
         """Gather top-k block ``blk`` (raw indices ``nxt``, loaded one block earlier) into a stage and
         widen it there. Each thread copies the raw bytes of each of its 16-value chunks by cp.async into
         the second half of the 32 bytes the chunk takes widened, waits for its own copies only, and
         widens them in place: no thread reads bytes that another one writes, so no raw buffer and no
-        barrier among the producer threads is needed."""
+        barrier among the producer threads is needed. The copies and the valid flags (the eight threads
+        of a row store the same one) take their addresses with ``T.address_of``, so that TileLang puts
+        none either (through ``T.ptx_cp_async`` it put three per pass and block)."""
         T.barrier_wait(free, phase ^ 1)
         tx = T.get_thread_binding() - 2 * 128
         lane = tx % WS_THREADS_PER_ROW
@@ -673,26 +692,22 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         for p in T.unroll(passes):
             j = p * rows_per_pass + tx // WS_THREADS_PER_ROW
             ok = entry_ok(blk, j, stop, nxt[p])
-            ok_s[j] = T.if_then_else(ok, 1, 0)
+            T.call_extern("handle", "dsa_put_flag", T.address_of(ok_s[j]), T.if_then_else(ok, 1, 0))
             row = T.if_then_else(ok, nxt[p], 0)
             for c in T.unroll(chunks // 2):
                 col = (c * WS_THREADS_PER_ROW + lane) * vec
                 for k in T.unroll(vec // piece):  # into the second half of the chunk's 32 bytes
-                    T.ptx_cp_async(T.access_ptr(dst_l[j, col + 8 + k * w], "w", w),
-                                   T.access_ptr(words[row, (col + k * piece) // 2], "r", w), w, predicate=ok)
-                    T.ptx_cp_async(T.access_ptr(dst_r[j, col + 8 + k * w], "w", w),
-                                   T.access_ptr(words[row, (half + col + k * piece) // 2], "r", w), w, predicate=ok)
+                    cp_async(dst_l[j, col + 8 + k * w], words[row, (col + k * piece) // 2], piece, ok)
+                    cp_async(dst_r[j, col + 8 + k * w], words[row, (half + col + k * piece) // 2], piece, ok)
             if d_tail:
                 for c in T.unroll(tail_chunks):
                     col = (c * WS_THREADS_PER_ROW + lane) * 8
                     if packed:  # bf16 already: copied as they are
                         for k in T.unroll(8 // tail_piece):
-                            T.ptx_cp_async(T.access_ptr(dst_t[j, col + k * tail_piece], "w", tail_piece),
-                                           T.access_ptr(words[row, rope_half + col + k * tail_piece], "r", tail_piece),
-                                           tail_piece, predicate=ok)
+                            cp_async(dst_t[j, col + k * tail_piece], words[row, rope_half + col + k * tail_piece],
+                                     2 * tail_piece, ok)
                     else:  # 8 FP8 values into the first half of their 16-byte chunk
-                        T.ptx_cp_async(T.access_ptr(dst_t[j, col], "w", 4),
-                                       T.access_ptr(words[row, (d_v + col) // 2], "r", 4), 4, predicate=ok)
+                        cp_async(dst_t[j, col], words[row, (d_v + col) // 2], 8, ok)
             if packed:
                 for i in T.unroll(n_tiles):
                     sc[p, i] = T.if_then_else(ok, scales[row, scale_word + i], 0.0)
