@@ -429,6 +429,16 @@ __device__ __forceinline__ void dsa_cp_async(void* smem, const void* gmem, bool 
     asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" :: "r"(a), "l"(gmem), "n"(N), "r"(pred ? N : 0) : "memory");
   }
 }
+// wait until at most n of this thread's cp.async groups are pending (n a constant after unrolling)
+__device__ __forceinline__ void dsa_cp_async_wait(int n) {
+  switch (n) {
+    case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
+    case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
+    case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
+    case 3: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
+    default: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
+  }
+}
 // the 8 raw FP8 tail values at the start of a 16-byte tail chunk, widened over it
 __device__ __forceinline__ void dsa_widen_tail_inplace(void* t) {
   uint2 raw = *reinterpret_cast<const uint2*>(t);
@@ -677,9 +687,10 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
     def produce_inplace(kv, indices, t, blk, stop, nxt, sc, dst_l, dst_r, dst_t, ok_s, ready, free, phase):
         """Gather top-k block ``blk`` (raw indices ``nxt``, loaded one block earlier) into a stage and
         widen it there. Each thread copies the raw bytes of each of its 16-value chunks by cp.async into
-        the second half of the 32 bytes the chunk takes widened, waits for its own copies only, and
-        widens them in place: no thread reads bytes that another one writes, so no raw buffer and no
-        barrier among the producer threads is needed. The copies and the valid flags (the eight threads
+        the second half of the 32 bytes the chunk takes widened, waits for its own copies only (one
+        group per pass, each widened as soon as it lands), and widens them in place: no thread reads
+        bytes that another one writes, so no raw buffer and no barrier among the producer threads is
+        needed. The copies and the valid flags (the eight threads
         of a row store the same one) take their addresses with ``T.address_of``, so that TileLang puts
         none either (through ``T.ptx_cp_async`` it put three per pass and block)."""
         T.barrier_wait(free, phase ^ 1)
@@ -711,11 +722,12 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
             if packed:
                 for i in T.unroll(n_tiles):
                     sc[p, i] = T.if_then_else(ok, scales[row, scale_word + i], 0.0)
-        T.ptx_commit_group()
+            T.ptx_commit_group()  # one group per pass: the widening of a pass starts when its copies land
         load_index(indices, t, blk + 1, nxt)
-        T.call_extern("handle", "tl::cp_async_wait<0>")  # this thread's own copies (T.ptx_wait_group adds a barrier)
         for p in T.unroll(passes):
             j = p * rows_per_pass + tx // WS_THREADS_PER_ROW
+            # this thread's own copies of pass p (T.ptx_wait_group would add a barrier)
+            T.call_extern("handle", "dsa_cp_async_wait", passes - 1 - p)
             widen(None, dst_l, dst_r, sc, p, j, lane)
             if d_tail and not packed:
                 for c in T.unroll(tail_chunks):

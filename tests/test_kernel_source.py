@@ -102,6 +102,8 @@ def test_attention_sources(name, kind, target):
                 # per pass and block around copies and valid flags it saw; ~5% at DeepSeek geometry)
                 assert "__sync_thread_partial" not in roles[2]
                 assert "dsa_cp_async<16>" in roles[2] and "cp_async_gs_conditional" not in roles[2]
+                # one copy group per pass, each widened as soon as it lands (not after the whole block)
+                assert "dsa_cp_async_wait(" in roles[2] and "tl::cp_async_wait<0>" not in roles[2]
             # q reaches shared memory in 16-byte vectors: a scalar copy (what TileLang makes of a
             # [64, d] tile over 384 threads) once took ~23% of the kernel's time
             assert re.search(r"\*\((uint4|fp8_e4_8_t)\*\)\(q \+ ", roles[0] + roles[1])  # by the consumers
