@@ -690,9 +690,9 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         the second half of the 32 bytes the chunk takes widened, waits for its own copies only (one
         group per pass, each widened as soon as it lands), and widens them in place: no thread reads
         bytes that another one writes, so no raw buffer and no barrier among the producer threads is
-        needed. The copies and the valid flags (the eight threads
-        of a row store the same one) take their addresses with ``T.address_of``, so that TileLang puts
-        none either (through ``T.ptx_cp_async`` it put three per pass and block)."""
+        needed. The copies and the valid flags (the eight threads of a row store the same one) take
+        their addresses with ``T.address_of``, so that TileLang puts none either (through
+        ``T.ptx_cp_async`` it put three per pass and block)."""
         T.barrier_wait(free, phase ^ 1)
         tx = T.get_thread_binding() - 2 * 128
         lane = tx % WS_THREADS_PER_ROW
