@@ -680,7 +680,10 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
 
     def cp_async(dst, src, nbytes, pred):
         """cp.async of ``nbytes`` from ``src`` to ``dst`` (zeros where ``pred`` is false), out of sight of
-        TileLang's barrier planner (``T.address_of``; the in-place producer, see there)."""
+        TileLang's barrier planner (``T.address_of``; the in-place producer, see there). The bf16 and
+        staged producers keep ``T.ptx_cp_async`` and the barriers TileLang adds: through this helper
+        they ran no faster or slower (GLM bf16 prefill 460 -> 450, GLM packed 319 -> 307 TFLOPS;
+        BENCHMARKS.md, seventh session)."""
         return T.call_extern("handle", f"dsa_cp_async<{nbytes}>", T.address_of(dst), T.address_of(src), pred)
 
     @T.macro
