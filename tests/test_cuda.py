@@ -36,18 +36,27 @@ def kernel_kind(kind):
             "packed-q8": ("packed", True)}[kind]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compiled():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
+def attn_suite_keys(target=None):
+    """The attention kernels this suite runs on ``target`` (default: this machine's); the CPU tests
+    lower the warp-specialized ones for sm_90a."""
     keys = []
     for d_v, d_rope, heads in ATTN_GEOS:
         for kind in ATTN_KINDS[d_v, d_rope, heads]:
             kv_kind, q_fp8 = kernel_kind(kind)
-            keys += dsa._cuda.attn_keys(kv_kind, d_v, d_rope, heads, (d_v + d_rope) ** -0.5, False, q_fp8=q_fp8)
+            keys += dsa._cuda.attn_keys(kv_kind, d_v, d_rope, heads, (d_v + d_rope) ** -0.5, False, target=target,
+                                        q_fp8=q_fp8)
     for (d_v, d_rope, heads), kind in [(DEEPSEEK, "bf16"), (DEEPSEEK, "packed"), (DEEPSEEK, "fp8"), (GLM, "packed")]:
         kv_kind, q_fp8 = kernel_kind(kind)
-        keys += dsa._cuda.attn_keys(kv_kind, d_v, d_rope, heads, (d_v + d_rope) ** -0.5, True, q_fp8=q_fp8)
+        keys += dsa._cuda.attn_keys(kv_kind, d_v, d_rope, heads, (d_v + d_rope) ** -0.5, True, target=target,
+                                    q_fp8=q_fp8)
+    return list(dict.fromkeys(keys))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    keys = attn_suite_keys()
     for lay in LAYOUTS:
         for rs in (False, True):
             keys += dsa._cuda.cache_keys("quant_k_cache", lay, rs)
