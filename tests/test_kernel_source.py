@@ -4,6 +4,7 @@ family, zero-width tails compiled out, and nvcc compiling the CUDA sources for s
 import functools
 import re
 import shutil
+import subprocess
 
 import pytest
 
@@ -138,13 +139,21 @@ NVCC = shutil.which("nvcc")
      *attn_keys("deepseek-512+64-h128", "fp8")[:2], attn_keys("deepseek-512+64-h128", "bf16")[0]],
     ids=lambda k: k.name,
 )
-def test_cuda_sources_compile_for_sm90a(key):
-    from tilelang.contrib import nvcc
+def test_cuda_sources_compile_for_sm90a(key, tmp_path):
     from tilelang.env import CUTLASS_INCLUDE_DIR, TILELANG_TEMPLATE_PATH
 
-    cubin = nvcc.compile_cuda(source(key, "cuda"), target_format="cubin", arch=["-arch=sm_90a"],
-                              options=["-std=c++20", f"-I{TILELANG_TEMPLATE_PATH}", f"-I{CUTLASS_INCLUDE_DIR}"])
-    assert len(cubin) > 1000
+    (tmp_path / "k.cu").write_text(source(key, "cuda"))
+    done = subprocess.run([NVCC, "-cubin", "-arch=sm_90a", "-O3", "-std=c++20", f"-I{TILELANG_TEMPLATE_PATH}",
+                           f"-I{CUTLASS_INCLUDE_DIR}", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"),
+                           str(tmp_path / "k.cu")], capture_output=True, text=True)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log
+    assert (tmp_path / "k.cubin").stat().st_size > 1000
+    # no register spills, and wgmma not serialized: ptxas serializes every wgmma of a kernel
+    # (C7511 / C7514 / C7515) when, e.g., a GEMM's accumulator is written by other instructions while
+    # an earlier GEMM is in flight; the kernels still run, only much slower (BENCHMARKS.md)
+    assert not re.search(r"[1-9]\d* bytes spill stores", log), log
+    assert not re.search(r"C751[0-9]", log), log
 
 
 @pytest.mark.parametrize("key", [k for k in attn_suite_keys("cuda") if k.family.endswith("_ws")], ids=lambda k: k.name)
