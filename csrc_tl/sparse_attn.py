@@ -133,14 +133,25 @@ def online_softmax(acc_s, acc_o, m_i, m_prev, alpha, sum_i, sumexp, scale2):
 
 
 @T.macro
+def reciprocal(dst, sumexp):
+    """``dst[h] = 1 / sumexp[h]``, or 0 for an empty row (sumexp 0)."""
+    for h in T.Parallel(sumexp.shape[0]):
+        dst[h] = T.if_then_else(sumexp[h] > 0, 1.0 / sumexp[h], 0)
+
+
+@T.macro
 def normalize(acc_o, lse, m_i, sumexp, scale2):
-    """Final output ``acc_o / sumexp`` and natural-log ``lse``; an empty row (sumexp 0) gives 0 and -inf."""
+    """Final output ``acc_o / sumexp`` and natural-log ``lse``; an empty row (sumexp 0) gives 0 and -inf.
+    ``sumexp`` becomes its reciprocal: the output is scaled by one reciprocal per row, because a
+    division per element (IEEE, each a dependent chain of several instructions) took about 2.5 us per
+    block on an H200, which every block pays once at its end (BENCHMARKS.md, tenth session)."""
     hb, width = acc_o.shape
-    for h, d in T.Parallel(hb, width):
-        acc_o[h, d] = T.if_then_else(sumexp[h] > 0, acc_o[h, d] / sumexp[h], 0)
     for h in T.Parallel(hb):
         lse[h] = T.if_then_else(sumexp[h] > 0, (T.log2(sumexp[h]) + m_i[h] * scale2) * LN2,
                                 -T.infinity(T.float32))
+    reciprocal(sumexp, sumexp)
+    for h, d in T.Parallel(hb, width):
+        acc_o[h, d] = acc_o[h, d] * sumexp[h]
 
 
 @T.macro
@@ -321,9 +332,11 @@ def _entry(geo: AttnGeometry, attend, t_count, s_count, k_count, out_t, lse_t):
 COMBINE_THREADS = 128
 
 
-def build_combine(d_v: int, heads: int):
+def build_combine(d_v: int, heads: int, pdl: bool = False):
     """Merge split partials: ``(part_out [T, NS, H, d_v] f32, part_lse [T, NS, H] f32, out [T, H, d_v] bf16,
-    lse [T, H] f32)``; splits with lse -inf weigh nothing, and if all are -inf out is 0 and lse -inf."""
+    lse [T, H] f32)``; splits with lse -inf weigh nothing, and if all are -inf out is 0 and lse -inf.
+    With ``pdl`` (sm_90 CUDA only) the kernel is launched as a programmatic dependent of the split
+    kernel before it (see :func:`build_attn_ws`) and waits for it to complete before it reads."""
     t_count, n_split = T.dynamic("t"), T.dynamic("ns")
     cols = T.ceildiv(d_v, COMBINE_THREADS)
 
@@ -332,6 +345,8 @@ def build_combine(d_v: int, heads: int):
                 part_lse: T.Tensor((t_count, n_split, heads), T.float32),
                 out: T.Tensor((t_count, heads, d_v), T.bfloat16), lse: T.Tensor((t_count, heads), T.float32)):
         with T.Kernel(heads, t_count, threads=COMBINE_THREADS) as (h, t):
+            if pdl:
+                T.pdl_sync()
             tx = T.get_thread_binding()
             top = T.alloc_local((1,), T.float32)
             total = T.alloc_local((1,), T.float32)
@@ -771,6 +786,14 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
     def attend(q, kv, indices, topk_length, out, lse):
         grid = (t_count * groups, n_split if split else 1)
         with T.Kernel(*grid, threads=128 * (2 + n_prod), prelude=prelude) as (bx, by):
+            if split:
+                # Programmatic dependent launch (decode, where launches are a large part of the time):
+                # this kernel may start while the kernel before it in the stream finishes, and waits
+                # for it (and its memory) before it touches global memory; then it lets the combine
+                # after it launch at once, which waits the same way, so that launch overlaps this
+                # kernel instead of following it.
+                T.pdl_sync()
+                T.pdl_trigger()
             q_l = T.alloc_shared((hb, half), dtype)
             q_r = T.alloc_shared((hb, half), dtype)
             kv_l0 = T.alloc_shared((block_i, half), dtype)
@@ -949,7 +972,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                             T.barrier_arrive(free0)
                         else:
                             T.barrier_arrive(free1)
-                    T.copy(sumexp, sum_s)
+                    reciprocal(sum_s, sumexp)  # warpgroup 1 scales its half by it
                     T.barrier_arrive(done)
                     normalize(acc_o, sum_i, m_i, sumexp, scale2)
                     store_rows(out, lse, acc_o, q_l, sum_i, t, by if split else None, h0, 0, heads)
@@ -1011,7 +1034,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                         T.barrier_arrive(p_free)
                     T.barrier_wait(done, 0)
                     for h, d in T.Parallel(hb, half):
-                        acc_o_r[h, d] = T.if_then_else(sum_s[h] > 0, acc_o_r[h, d] / sum_s[h], 0)
+                        acc_o_r[h, d] = acc_o_r[h, d] * sum_s[h]
                     store_rows(out, None, acc_o_r, q_r, None, t, by if split else None, h0, half, heads)
             elif tx >= 256:
                 T.set_max_nreg(nreg[2], 0)
@@ -1031,9 +1054,15 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                     # the packed rows' scales of the blocks in raw0 and raw1
                     raw_a = (*raw0, T.alloc_local((passes, n_tiles), acc) if packed else None)
                     raw_b = (*raw1, T.alloc_local((passes, n_tiles), acc) if packed else None)
+                    # the indices of the first two blocks are loaded together: the first block's raw
+                    # copy waits for its own, and the second's (issued before the first is widened)
+                    # then has its indices at hand instead of a load round trip later
+                    nxt2 = T.alloc_local((passes,), T.int32)
                     load_index(indices, t, first, nxt)
+                    load_index(indices, t, first + 1, nxt2)
                     issue_raw(kv, nxt, first, stop, ok_a, *raw_a)
-                    load_index(indices, t, first + 1, nxt)
+                    for p in T.unroll(passes):
+                        nxt[p] = nxt2[p]
                     for pair in T.serial(pairs):
                         blk = first + 2 * pair
                         produce_staged(kv, indices, t, blk, stop, nxt, ok_a, ok_b, raw_b, raw_a, kv_l0, kv_r0, kt_s0,

@@ -34,7 +34,7 @@ class KernelKey:
 
     family: str  # quant | store | dequant | gather_dequant | gather | attn_prefill(_ws) | attn_decode(_ws) | combine
     spec: object  # KCacheLayout, csrc_tl.sparse_attn.AttnGeometry or (d_v, heads)
-    flags: tuple = ()  # family-specific: round_scale, slot dtype
+    flags: tuple = ()  # family-specific: round_scale, slot dtype; "pdl" for a combine launched as a dependent
 
     @property
     def name(self) -> str:
@@ -63,7 +63,7 @@ def program(key: KernelKey):
         path = fam.removeprefix("attn_")
         return sparse_attn.build_attn(spec, split=path == "decode", **sparse_attn.DEFAULT_TILES[path])
     if fam == "combine":
-        return sparse_attn.build_combine(*spec)
+        return sparse_attn.build_combine(*spec, pdl="pdl" in flags)
     raise KeyError(fam)
 
 
@@ -98,7 +98,8 @@ def attn_keys(kv_kind: str, d_v: int, d_rope: int, heads: int, sm_scale: float, 
         keys.append(KernelKey("attn_prefill_ws" if ws else "attn_prefill", geo))
     if "decode" in paths:
         keys.append(KernelKey("attn_decode_ws" if ws else "attn_decode", geo))
-        keys.append(KernelKey("combine", (d_v, heads)))
+        # after a warp-specialized split kernel the combine is its programmatic dependent (sm_90)
+        keys.append(KernelKey("combine", (d_v, heads), ("pdl",) if ws else ()))
     return keys
 
 
@@ -239,20 +240,29 @@ def _sm_count(device: torch.device) -> int:
 
 
 # Split decode on sm_90 (H200 measurements, BENCHMARKS.md): the warp-specialized split kernel wants
-# two top-k blocks per split or more (one block leaves it nothing to overlap).
+# two top-k blocks per split or more (one block leaves it nothing to overlap), and it walks them in
+# pairs (two stages).
 WS_SPLIT_BLOCKS = 2
 
 
-def plan_splits(tokens: int, heads: int, topk: int, sm_count: int, min_blocks: int = 1) -> int:
+def plan_splits(tokens: int, heads: int, topk: int, sm_count: int, min_blocks: int = 1, step: int = 1) -> int:
     """Splits of the top-k range per (token, head block): 1 (the prefill path) once the grid fills the
     GPU, else as many as keep the whole grid in one wave of one block per SM (a second wave of a few
-    blocks doubles the time) while every split keeps at least ``min_blocks`` top-k blocks."""
+    blocks doubles the time) while every split keeps at least ``min_blocks`` top-k blocks. A kernel
+    that walks its blocks ``step`` at a time gets the fewest splits with as few steps per split: GLM
+    decode T 17 (33 blocks) takes 6 splits of 3 pairs, not 7 of 5 blocks with a padding sixth
+    (H200: 20.7 against 21.6 us over packed rows, 18.5 against 19.4 over bf16; BENCHMARKS.md)."""
     from csrc_tl.sparse_attn import head_block
 
     blocks = tokens * math.ceil(heads / head_block(heads))
     if blocks >= sm_count:
         return 1
-    return max(1, min(topk // TOPK_MULTIPLE // min_blocks, sm_count // blocks))
+    n_blocks = topk // TOPK_MULTIPLE
+    if n_blocks <= 1:
+        return 1
+    splits = max(1, min(n_blocks // min_blocks, sm_count // blocks))
+    steps = math.ceil(math.ceil(n_blocks / splits) / step)
+    return math.ceil(n_blocks / (steps * step))
 
 
 @dataclass(frozen=True)
@@ -278,7 +288,7 @@ def plan_attn(kv_kind: str, d_v: int, d_rope: int, heads: int, sm_scale: float, 
     if splits > 1:
         keys = attn_keys(*geo, paths=("decode",), target=target, q_fp8=q_fp8)  # split kernel, combine
         if keys[0].family == "attn_decode_ws":
-            splits = plan_splits(tokens, heads, topk, sm_count, WS_SPLIT_BLOCKS)
+            splits = plan_splits(tokens, heads, topk, sm_count, WS_SPLIT_BLOCKS, step=2)
         if splits > 1:
             return AttnPlan(tuple(keys), splits)
     return AttnPlan(tuple(attn_keys(*geo, paths=("prefill",), target=target, q_fp8=q_fp8)), 1)

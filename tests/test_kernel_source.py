@@ -72,8 +72,9 @@ def test_attention_sources(name, kind, target):
         if kind == "fp8":
             # q and kv arrive as float8 and are widened on the way into shared memory
             # (kernels that widen rows in place name kv after their view of it as 2-byte words)
-            assert re.search(r"fp8_e4_t\* __restrict__ q\b", body)
-            assert re.search(r"fp8_e4_t\* __restrict__ (kv|words)\b", body)
+            # (a kernel launched as a programmatic dependent has no __restrict__ parameters: nvcc)
+            assert re.search(r"fp8_e4_t\* (__restrict__ )?q\b", body)
+            assert re.search(r"fp8_e4_t\* (__restrict__ )?(kv|words)\b", body)
     if ws:
         for key in keys[:2]:
             # Each warpgroup role syncs its own warps only through named barriers no other role uses:
@@ -111,7 +112,21 @@ def test_attention_sources(name, kind, target):
             assert re.search(r"\*\((uint4|fp8_e4_8_t)\*\)\(q \+ ", roles[0] + roles[1])  # by the consumers
             for buf in ("q_l", "q_r"):
                 assert not re.search(rf"\(\(bfloat16_t\*\){buf}\)\[[^;]*\] = q\[", body)
-    assert "combine_kernel" in source(keys[-1], target)
+        # Programmatic dependent launch: the split kernel waits for the kernel before it ahead of any
+        # global access (every role starts after the wait) and lets the combine launch at once; the
+        # combine waits before it reads the partials. The prefill kernel is launched plainly.
+        prefill, split = (kernel_body(source(key, target)) for key in keys[:2])
+        assert "cudaGridDependencySynchronize" not in prefill
+        wait = split.index("cudaGridDependencySynchronize();")
+        assert wait < split.index("cudaTriggerProgrammaticLaunchCompletion();") < split.index("warpgroup_reg_")
+        assert not re.search(r"\b(q|indices|kv|out|lse|words|values|tails)\[", split[:wait])
+    combine = kernel_body(source(keys[-1], target))
+    assert "combine_kernel" in combine
+    if ws:
+        assert "pdl" in keys[-1].flags
+        assert combine.index("cudaGridDependencySynchronize();") < combine.index("part_lse[")
+    else:  # HIP, or a portable split kernel: plain launches
+        assert "pdl" not in keys[-1].flags and "GridDependency" not in combine
 
 
 def test_tail_gemm_is_compiled_out():
@@ -165,30 +180,38 @@ def test_gpu_suite_ws_kernels_lower(key):
     assert body.count("warpgroup_reg_") == 3 and "wgmma_ss<" in body
 
 
-@pytest.mark.parametrize("tokens, heads, topk, min_blocks, splits", [
-    (1, 64, 2048, 1, 32),  # GLM T1: one block per split, 32 blocks in flight
-    (1, 64, 2048, 2, 16),  # the same for the bf16 warp-specialized split kernel (two blocks per split)
-    (17, 64, 2112, 1, 7),  # GLM T17: 119 blocks, one wave on 132 SMs (8 splits would be 136: two waves)
-    (1, 128, 2048, 1, 32),  # DeepSeek T1: two head blocks
-    (17, 128, 2048, 2, 3),  # DeepSeek T17: 34 (token, head block) pairs
-    (66, 128, 2048, 1, 1),  # 132 pairs fill the GPU: the prefill path
-    (3, 16, 64, 1, 1),  # one top-k block cannot be split
-    (3, 64, 64, 2, 1),
+@pytest.mark.parametrize("tokens, heads, topk, min_blocks, step, splits", [
+    (1, 64, 2048, 1, 1, 32),  # GLM T1: one block per split, 32 blocks in flight
+    (1, 64, 2048, 2, 2, 16),  # the warp-specialized split kernel: two blocks per split, walked as a pair
+    (17, 64, 2112, 1, 1, 7),  # GLM T17: 119 blocks, one wave on 132 SMs (8 splits would be 136: two waves)
+    (17, 64, 2112, 2, 2, 6),  # ... in pairs: 7 splits of 5 blocks walk 3 pairs each, as 6 splits of 6 do
+    (1, 64, 2112, 2, 2, 9),  # 33 blocks: 16 splits of 3 blocks walk 2 pairs each, as 9 of 4 do
+    (1, 128, 2048, 1, 1, 32),  # DeepSeek T1: two head blocks
+    (17, 128, 2048, 2, 2, 3),  # DeepSeek T17: 34 (token, head block) pairs
+    (66, 128, 2048, 1, 1, 1),  # 132 pairs fill the GPU: the prefill path
+    (3, 16, 64, 1, 1, 1),  # one top-k block cannot be split
+    (3, 64, 64, 2, 2, 1),
+    (3, 64, 0, 2, 2, 1),
 ])
-def test_decode_split_plan(tokens, heads, topk, min_blocks, splits):
-    plan = _cuda.plan_splits(tokens, heads, topk, 132, min_blocks)
+def test_decode_split_plan(tokens, heads, topk, min_blocks, step, splits):
+    plan = _cuda.plan_splits(tokens, heads, topk, 132, min_blocks, step)
     assert plan == splits
     assert plan == 1 or tokens * -(-heads // 64) * plan <= 132  # never a second wave
     assert plan == 1 or topk // 64 // plan >= min_blocks
+    if plan > 1:  # no split count walks fewer steps per split, and no smaller one walks as few
+        steps = lambda n: -(-(-(-(topk // 64) // n)) // step)  # noqa: E731
+        cap = min(topk // 64 // min_blocks, 132 // (tokens * -(-heads // 64)))
+        assert steps(plan) == min(steps(n) for n in range(1, cap + 1))
+        assert all(steps(n) > steps(plan) for n in range(1, plan))
 
 
 @pytest.mark.parametrize("kind, geo, tokens, topk, target, plan", [
     ("bf16", "glm-256+0-h64", 1, 2048, "cuda", "attn_decode_ws x16 + combine"),
-    ("bf16", "glm-256+0-h64", 17, 2112, "cuda", "attn_decode_ws x7 + combine"),
+    ("bf16", "glm-256+0-h64", 17, 2112, "cuda", "attn_decode_ws x6 + combine"),  # 3 pairs of blocks per split
     ("bf16", "deepseek-512+64-h128", 1, 2048, "cuda", "attn_decode_ws x16 + combine"),
     ("packed", "glm-256+0-h64", 1, 2048, "cuda", "attn_decode_ws x16 + combine"),  # staged FP8 rows
     ("packed", "deepseek-512+64-h128", 1, 2048, "cuda", "attn_decode_ws x16 + combine"),  # widened in place
-    ("packed", "glm-256+0-h64", 17, 2112, "cuda", "attn_decode_ws x7 + combine"),
+    ("packed", "glm-256+0-h64", 17, 2112, "cuda", "attn_decode_ws x6 + combine"),
     ("packed", "deepseek-512+64-h128", 256, 2048, "cuda", "attn_prefill_ws"),
     ("bf16", "glm-256+0-h64", 1, 2048, "hip", "attn_decode x32 + combine"),  # no warp specialization
     ("bf16", "512+0-h16", 300, 2048, "cuda", "attn_prefill"),  # 16 heads: the portable kernels
