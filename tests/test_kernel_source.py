@@ -2,6 +2,7 @@
 family, zero-width tails compiled out, and nvcc compiling the CUDA sources for sm_90a."""
 
 import functools
+import math
 import re
 import shutil
 import subprocess
@@ -204,8 +205,11 @@ def test_decode_split_plan(tokens, heads, topk, min_blocks, step, splits):
     assert plan == 1 or tokens * -(-heads // 64) * plan <= 132  # never a second wave
     assert plan == 1 or topk // 64 // plan >= min_blocks
     if plan > 1:  # no split count walks fewer steps per split, and no smaller one walks as few
-        steps = lambda n: -(-(-(-(topk // 64) // n)) // step)  # noqa: E731
-        cap = min(topk // 64 // min_blocks, 132 // (tokens * -(-heads // 64)))
+
+        def steps(n):  # steps of `step` blocks each of n splits walk
+            return math.ceil(math.ceil(topk // 64 / n) / step)
+
+        cap = min(topk // 64 // min_blocks, 132 // (tokens * math.ceil(heads / 64)))
         assert steps(plan) == min(steps(n) for n in range(1, cap + 1))
         assert all(steps(n) > steps(plan) for n in range(1, plan))
 
