@@ -872,7 +872,13 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                 stop = T.min(n_valid, (first + per_split) * block_i)
             else:
                 first, stop = 0, n_valid
-            pairs = T.ceildiv(T.max(T.ceildiv(stop, block_i) - first, 0), 2)
+            n_blk = T.max(T.ceildiv(stop, block_i) - first, 0)
+            # pairs of blocks, one in each stage. A prefill kernel walks whole pairs: a last odd block has
+            # an empty padding partner (without it, the packed prefill ran 4% slower: BENCHMARKS.md,
+            # eleventh session). A split kernel walks its blocks only: GLM decode T 17 takes 7 splits of
+            # 5 blocks, not 6 of 6 (H200: 18.1 against 18.8 us over packed rows).
+            pairs = T.ceildiv(n_blk, 2)
+            walk = n_blk if split else 2 * pairs
 
             # setmaxnreg moves registers between the warpgroups of the CTA (budgets: WS_NREG). Paired
             # (the prefill of narrow bf16 rows): warpgroup 0 scores the block in stage 0 and warpgroup 1
@@ -933,7 +939,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                     normalize(acc_o, sum_i, m_i, sumexp, scale2)
                     store_rows(out, None, acc_o, q_l, None, t, by if split else None, h0, 0, heads)
                 else:
-                    for it in T.serial(pairs * 2):
+                    for it in T.serial(walk):
                         phase = (it // 2) & 1
                         if it % 2 == 0:
                             T.barrier_wait(ready0, phase)
@@ -1019,7 +1025,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                     normalize(acc_o_r, sum_r, m_r, sumexp_r, scale2)
                     store_rows(out, lse, acc_o_r, q_r, sum_r, t, by if split else None, h0, half, heads)
                 else:
-                    for it in T.serial(pairs * 2):
+                    for it in T.serial(walk):
                         T.barrier_wait(p_ready, it & 1)
                         if copies_async:
                             T.fence_proxy_async()
@@ -1045,8 +1051,9 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                     for pair in T.serial(pairs):
                         produce_inplace(kv, indices, t, first + 2 * pair, stop, nxt, sc, kv_l0, kv_r0, kt_s0, ok0,
                                         ready0, free0, pair & 1)
-                        produce_inplace(kv, indices, t, first + 2 * pair + 1, stop, nxt, sc, kv_l1, kv_r1, kt_s1, ok1,
-                                        ready1, free1, pair & 1)
+                        if not split or 2 * pair + 1 < n_blk:  # (a split kernel walks no padding block)
+                            produce_inplace(kv, indices, t, first + 2 * pair + 1, stop, nxt, sc, kv_l1, kv_r1, kt_s1,
+                                            ok1, ready1, free1, pair & 1)
                 elif staged:
                     nxt = T.alloc_local((passes,), T.int32)
                     ok_a = T.alloc_local((passes,), T.int32)  # valid rows of the block in raw0
@@ -1067,8 +1074,9 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                         blk = first + 2 * pair
                         produce_staged(kv, indices, t, blk, stop, nxt, ok_a, ok_b, raw_b, raw_a, kv_l0, kv_r0, kt_s0,
                                        ok0, ready0, free0, pair & 1)
-                        produce_staged(kv, indices, t, blk + 1, stop, nxt, ok_b, ok_a, raw_a, raw_b, kv_l1, kv_r1,
-                                       kt_s1, ok1, ready1, free1, pair & 1)
+                        if not split or 2 * pair + 1 < n_blk:  # (a split kernel walks no padding block)
+                            produce_staged(kv, indices, t, blk + 1, stop, nxt, ok_b, ok_a, raw_a, raw_b, kv_l1, kv_r1,
+                                           kt_s1, ok1, ready1, free1, pair & 1)
                     T.call_extern("handle", "tl::cp_async_wait<0>")  # the last (empty) copies land before exit
                 else:
                     nxt = T.alloc_local((passes,), T.int32)
@@ -1077,8 +1085,9 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                     for pair in T.serial(pairs):
                         produce(kv, indices, t, first + 2 * pair, stop, nxt, slot, kv_l0, kv_r0, kt_s0, ok0, ready0,
                                 free0, pair & 1)
-                        produce(kv, indices, t, first + 2 * pair + 1, stop, nxt, slot, kv_l1, kv_r1, kt_s1, ok1,
-                                ready1, free1, pair & 1)
+                        if not split or 2 * pair + 1 < n_blk:  # (a split kernel walks no padding block)
+                            produce(kv, indices, t, first + 2 * pair + 1, stop, nxt, slot, kv_l1, kv_r1, kt_s1, ok1,
+                                    ready1, free1, pair & 1)
 
     if split:
         return _entry(geo, attend, t_count, s_count, k_count, T.Tensor((t_count, n_split, heads, d_v), acc),

@@ -240,18 +240,17 @@ def _sm_count(device: torch.device) -> int:
 
 
 # Split decode on sm_90 (H200 measurements, BENCHMARKS.md): the warp-specialized split kernel wants
-# two top-k blocks per split or more (one block leaves it nothing to overlap), and it walks them in
-# pairs (two stages).
+# two top-k blocks per split or more (one block leaves it nothing to overlap).
 WS_SPLIT_BLOCKS = 2
 
 
-def plan_splits(tokens: int, heads: int, topk: int, sm_count: int, min_blocks: int = 1, step: int = 1) -> int:
+def plan_splits(tokens: int, heads: int, topk: int, sm_count: int, min_blocks: int = 1) -> int:
     """Splits of the top-k range per (token, head block): 1 (the prefill path) once the grid fills the
     GPU, else as many as keep the whole grid in one wave of one block per SM (a second wave of a few
-    blocks doubles the time) while every split keeps at least ``min_blocks`` top-k blocks. A kernel
-    that walks its blocks ``step`` at a time gets the fewest splits with as few steps per split: GLM
-    decode T 17 (33 blocks) takes 6 splits of 3 pairs, not 7 of 5 blocks with a padding sixth
-    (H200: 20.7 against 21.6 us over packed rows, 18.5 against 19.4 over bf16; BENCHMARKS.md)."""
+    blocks doubles the time) while every split keeps at least ``min_blocks`` top-k blocks; then the
+    fewest splits with as few blocks per split. GLM decode T 17 (33 blocks) takes 7 splits of 5 blocks
+    (the last one 3): the split kernels walk no padding block (H200: 18.1 against 18.8 us over packed
+    rows for 6 splits of 3 pairs; BENCHMARKS.md, eleventh session)."""
     from csrc_tl.sparse_attn import head_block
 
     blocks = tokens * math.ceil(heads / head_block(heads))
@@ -261,8 +260,8 @@ def plan_splits(tokens: int, heads: int, topk: int, sm_count: int, min_blocks: i
     if n_blocks <= 1:
         return 1
     splits = max(1, min(n_blocks // min_blocks, sm_count // blocks))
-    steps = math.ceil(math.ceil(n_blocks / splits) / step)
-    return math.ceil(n_blocks / (steps * step))
+    # the fewest splits with as few blocks per split
+    return math.ceil(n_blocks / math.ceil(n_blocks / splits))
 
 
 @dataclass(frozen=True)
@@ -288,7 +287,7 @@ def plan_attn(kv_kind: str, d_v: int, d_rope: int, heads: int, sm_scale: float, 
     if splits > 1:
         keys = attn_keys(*geo, paths=("decode",), target=target, q_fp8=q_fp8)  # split kernel, combine
         if keys[0].family == "attn_decode_ws":
-            splits = plan_splits(tokens, heads, topk, sm_count, WS_SPLIT_BLOCKS, step=2)
+            splits = plan_splits(tokens, heads, topk, sm_count, WS_SPLIT_BLOCKS)
         if splits > 1:
             return AttnPlan(tuple(keys), splits)
     return AttnPlan(tuple(attn_keys(*geo, paths=("prefill",), target=target, q_fp8=q_fp8)), 1)

@@ -186,41 +186,41 @@ def test_gpu_suite_ws_kernels_lower(key):
     assert body.count("warpgroup_reg_") == 3 and "wgmma_ss<" in body
 
 
-@pytest.mark.parametrize("tokens, heads, topk, min_blocks, step, splits", [
-    (1, 64, 2048, 1, 1, 32),  # GLM T1: one block per split, 32 blocks in flight
-    (1, 64, 2048, 2, 2, 16),  # the warp-specialized split kernel: two blocks per split, walked as a pair
-    (17, 64, 2112, 1, 1, 7),  # GLM T17: 119 blocks, one wave on 132 SMs (8 splits would be 136: two waves)
-    (17, 64, 2112, 2, 2, 6),  # ... in pairs: 7 splits of 5 blocks walk 3 pairs each, as 6 splits of 6 do
-    (1, 64, 2112, 2, 2, 9),  # 33 blocks: 16 splits of 3 blocks walk 2 pairs each, as 9 of 4 do
-    (1, 128, 2048, 1, 1, 32),  # DeepSeek T1: two head blocks
-    (17, 128, 2048, 2, 2, 3),  # DeepSeek T17: 34 (token, head block) pairs
-    (66, 128, 2048, 1, 1, 1),  # 132 pairs fill the GPU: the prefill path
-    (3, 16, 64, 1, 1, 1),  # one top-k block cannot be split
-    (3, 64, 64, 2, 2, 1),
-    (3, 64, 0, 2, 2, 1),
+@pytest.mark.parametrize("tokens, heads, topk, min_blocks, splits", [
+    (1, 64, 2048, 1, 32),  # GLM T1: one block per split, 32 blocks in flight
+    (1, 64, 2048, 2, 16),  # the warp-specialized split kernel: two blocks per split
+    (17, 64, 2112, 1, 7),  # GLM T17: 119 blocks, one wave on 132 SMs (8 splits would be 136: two waves)
+    (17, 64, 2112, 2, 7),  # ... 7 splits of 5 blocks, the last one 3
+    (1, 64, 2112, 2, 11),  # 33 blocks: 16 splits would walk 3 blocks each, as 11 do
+    (1, 128, 2048, 1, 32),  # DeepSeek T1: two head blocks
+    (17, 128, 2048, 2, 3),  # DeepSeek T17: 34 (token, head block) pairs
+    (66, 128, 2048, 1, 1),  # 132 pairs fill the GPU: the prefill path
+    (3, 16, 64, 1, 1),  # one top-k block cannot be split
+    (3, 64, 64, 2, 1),
+    (3, 64, 0, 2, 1),
 ])
-def test_decode_split_plan(tokens, heads, topk, min_blocks, step, splits):
-    plan = _cuda.plan_splits(tokens, heads, topk, 132, min_blocks, step)
+def test_decode_split_plan(tokens, heads, topk, min_blocks, splits):
+    plan = _cuda.plan_splits(tokens, heads, topk, 132, min_blocks)
     assert plan == splits
     assert plan == 1 or tokens * -(-heads // 64) * plan <= 132  # never a second wave
     assert plan == 1 or topk // 64 // plan >= min_blocks
-    if plan > 1:  # no split count walks fewer steps per split, and no smaller one walks as few
+    if plan > 1:  # no split count has fewer blocks per split, and no smaller one as few
 
-        def steps(n):  # steps of `step` blocks each of n splits walk
-            return math.ceil(math.ceil(topk // 64 / n) / step)
+        def per_split(n):
+            return math.ceil(topk // 64 / n)
 
         cap = min(topk // 64 // min_blocks, 132 // (tokens * math.ceil(heads / 64)))
-        assert steps(plan) == min(steps(n) for n in range(1, cap + 1))
-        assert all(steps(n) > steps(plan) for n in range(1, plan))
+        assert per_split(plan) == min(per_split(n) for n in range(1, cap + 1))
+        assert all(per_split(n) > per_split(plan) for n in range(1, plan))
 
 
 @pytest.mark.parametrize("kind, geo, tokens, topk, target, plan", [
     ("bf16", "glm-256+0-h64", 1, 2048, "cuda", "attn_decode_ws x16 + combine"),
-    ("bf16", "glm-256+0-h64", 17, 2112, "cuda", "attn_decode_ws x6 + combine"),  # 3 pairs of blocks per split
+    ("bf16", "glm-256+0-h64", 17, 2112, "cuda", "attn_decode_ws x7 + combine"),  # 5 blocks per split
     ("bf16", "deepseek-512+64-h128", 1, 2048, "cuda", "attn_decode_ws x16 + combine"),
     ("packed", "glm-256+0-h64", 1, 2048, "cuda", "attn_decode_ws x16 + combine"),  # staged FP8 rows
     ("packed", "deepseek-512+64-h128", 1, 2048, "cuda", "attn_decode_ws x16 + combine"),  # widened in place
-    ("packed", "glm-256+0-h64", 17, 2112, "cuda", "attn_decode_ws x6 + combine"),
+    ("packed", "glm-256+0-h64", 17, 2112, "cuda", "attn_decode_ws x7 + combine"),
     ("packed", "deepseek-512+64-h128", 256, 2048, "cuda", "attn_prefill_ws"),
     ("bf16", "glm-256+0-h64", 1, 2048, "hip", "attn_decode x32 + combine"),  # no warp specialization
     ("bf16", "512+0-h16", 300, 2048, "cuda", "attn_prefill"),  # 16 heads: the portable kernels
