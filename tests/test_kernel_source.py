@@ -121,6 +121,9 @@ def test_attention_sources(name, kind, target):
         wait = split.index("cudaGridDependencySynchronize();")
         assert wait < split.index("cudaTriggerProgrammaticLaunchCompletion();") < split.index("warpgroup_reg_")
         assert not re.search(r"\b(q|indices|kv|out|lse|words|values|tails)\[", split[:wait])
+        # a split kernel walks exactly its top-k blocks: its producer skips the second block of a last
+        # odd pair (no padding block); a prefill kernel walks whole pairs
+        assert "if (((pair * 2) + 1) <" in split and "if (((pair * 2) + 1) <" not in prefill
     combine = kernel_body(source(keys[-1], target))
     assert "combine_kernel" in combine
     if ws:
