@@ -462,6 +462,9 @@ __device__ __forceinline__ void dsa_widen_tail_inplace(void* t) {
 """
 
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory one sm_90 block may use
+# Bytes after each row of a raw FP8 stage (with `quarters` in build_attn_ws): the two rows a quarter
+# warp reads or writes at once then lie on different banks.
+RAW_PAD = 64
 
 
 def ws_staged(geo: AttnGeometry, block_i: int = 64) -> bool:
@@ -473,7 +476,7 @@ def ws_staged(geo: AttnGeometry, block_i: int = 64) -> bool:
     if geo.kv_kind == "bf16":
         return False
     hb, d_qk = MAX_HEAD_BLOCK, geo.d_qk
-    raw_row = geo.d_v + geo.d_rope * (2 if geo.kv_kind == "packed" else 1)  # scales go to registers
+    raw_row = geo.d_v + RAW_PAD + geo.d_rope * (2 if geo.kv_kind == "packed" else 1)  # scales go to registers
     return 2 * hb * d_qk + 2 * 2 * block_i * d_qk + 2 * block_i * raw_row + 2 * hb * block_i + 4096 <= SMEM_LIMIT
 
 
@@ -530,6 +533,25 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
     assert nreg is not None or scheme in WS_NREG, f"no register budgets for {scheme}; pass nreg"
     nreg = WS_NREG[scheme] if nreg is None else nreg
     rows_per_pass = 128 * n_prod // WS_THREADS_PER_ROW  # rows the producer threads fill at once
+
+    # The row (within a pass) and lane of producer thread tx: eight consecutive threads per row, or with
+    # `quarters` a quarter warp (the eight threads one 16-byte shared-memory access serves at once) takes
+    # lanes 0-3 or 4-7 of two adjacent rows. A lane widens 32-byte chunks into the stage, whose 128-byte
+    # swizzle puts lanes 0-3 and 4-7 of a row (two 64-wide atoms) on the same banks: the eight lanes of
+    # one row store every chunk in two wavefronts (ncu, GLM packed prefill: STS.128 at twice their ideal
+    # wavefronts, 13% of the kernel's shared-memory wavefronts), lanes 0-3 of two rows (which differ in
+    # the swizzle's lowest bit) in one. Measured (H200, BENCHMARKS.md, twelfth session): faster for
+    # native FP8 rows (GLM prefill 375 against 358 TFLOPS, DeepSeek 404 against 388; GLM decode T 17
+    # 16.6 against 17.0 us) and the split kernel over packed rows (GLM T 1 9.8 against 10.1 us, T 17 17.6
+    # against 18.0), slower for the prefill over packed rows (333 against 339), which keeps eight threads
+    # per row. bf16 rows are copied straight into the stage, 16 bytes per lane: no conflict either way.
+    quarters = not copies_async and (split or not packed)
+
+    def prow(tx):
+        return tx // 16 * 2 + tx // 4 % 2 if quarters else tx // WS_THREADS_PER_ROW
+
+    def plane(tx):
+        return tx % 4 + tx // 8 % 2 * 4 if quarters else tx % WS_THREADS_PER_ROW
     passes = block_i // rows_per_pass
     ready_count = 128 * n_prod * (2 if copies_async else 1)  # producer threads arrive once, or twice with cp.async
     n_tiles = d_v // QUANT_TILE
@@ -555,7 +577,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         until :func:`issue_raw` checks them, a block later."""
         tx = T.get_thread_binding() - 2 * 128
         for p in T.unroll(passes):
-            pos = blk * block_i + p * rows_per_pass + tx // WS_THREADS_PER_ROW
+            pos = blk * block_i + p * rows_per_pass + prow(tx)
             slot[p] = indices[t, T.min(pos, k_count - 1)]
 
     @T.macro
@@ -565,17 +587,17 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         gathers)."""
         T.barrier_wait(free, phase ^ 1)
         tx = T.get_thread_binding() - 2 * 128
-        lane = tx % WS_THREADS_PER_ROW
+        lane = plane(tx)
         # all slot ids of the stage first, then every row copy (branch-free, predicated: invalid rows
         # become zeros and are never dereferenced), so the copies of a stage are all in flight at once
         for p in T.unroll(passes):
-            j = p * rows_per_pass + tx // WS_THREADS_PER_ROW
+            j = p * rows_per_pass + prow(tx)
             ok = entry_ok(blk, j, stop, nxt[p])
             slot[p] = T.if_then_else(ok, nxt[p], -1)
             ok_s[j] = T.if_then_else(ok, 1, 0)
         load_index(indices, t, blk + 1, nxt)
         for p in T.unroll(passes):
-            j = p * rows_per_pass + tx // WS_THREADS_PER_ROW
+            j = p * rows_per_pass + prow(tx)
             ok = slot[p] >= 0
             row = T.max(slot[p], 0)
             # cp.async straight into shared memory: the whole stage is in flight without registers
@@ -619,20 +641,25 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         of pass ``p`` is valid and, for a packed row, ``raw_sc[p, :]`` its scales (registers). One
         commit group, also when every entry is invalid (the waits count groups)."""
         tx = T.get_thread_binding() - 2 * 128
-        lane = tx % WS_THREADS_PER_ROW
+        lane = plane(tx)
         if packed:
             values, scales, tails = row_views(kv)
+        # copies of 8 bytes are served per sixteen threads (two rows, whose lanes use the same banks):
+        # with `quarters`, rows of odd index copy the two pieces of a chunk in the other order, so that
+        # they take one wavefront, not two (ncu: LDGSTS.64 at 2.3 times their ideal wavefronts before)
+        odd = prow(tx) % 2
         for p in T.unroll(passes):
-            j = p * rows_per_pass + tx // WS_THREADS_PER_ROW
+            j = p * rows_per_pass + prow(tx)
             ok[p] = T.if_then_else(entry_ok(blk, j, stop, slot[p]), 1, 0)
             row = T.if_then_else(ok[p] != 0, slot[p], 0)
             for c in T.unroll(chunks // 2):
                 col = (c * WS_THREADS_PER_ROW + lane) * vec
                 for k in T.unroll(vec // piece):
+                    at = col + (k ^ odd) * piece if quarters and piece < vec else col + k * piece
                     for base in (0, half):
-                        src = values[row, base + col + k * piece] if packed else kv[row, base + col + k * piece]
-                        T.ptx_cp_async(T.access_ptr(raw_v[j, base + col + k * piece], "w", piece),
-                                       T.access_ptr(src, "r", piece), piece, predicate=ok[p] != 0)
+                        src = values[row, base + at] if packed else kv[row, base + at]
+                        T.ptx_cp_async(T.access_ptr(raw_v[j, base + at], "w", piece), T.access_ptr(src, "r", piece),
+                                       piece, predicate=ok[p] != 0)
             if packed:
                 # the row's scales into registers (eight lanes of a row read the same 8 bytes: one
                 # request; copied to shared memory per lane they cost 8-way bank conflicts)
@@ -641,7 +668,8 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
             if d_tail:
                 for c in T.unroll(tail_chunks):
                     for k in T.unroll(8 // tail_piece):
-                        col = (c * WS_THREADS_PER_ROW + lane) * 8 + k * tail_piece
+                        kk = (k ^ odd) if quarters and tail_piece < 8 else k
+                        col = (c * WS_THREADS_PER_ROW + lane) * 8 + kk * tail_piece
                         src = tails[row, rope_half + col] if packed else kv[row, d_v + col]
                         T.ptx_cp_async(T.access_ptr(raw_t[j, col], "w", tail_piece),
                                        T.access_ptr(src, "r", tail_piece), tail_piece, predicate=ok[p] != 0)
@@ -651,16 +679,16 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
     def widen_raw(ok, raw_v, raw_t, raw_sc, dst_l, dst_r, dst_t, ok_s):
         """Widen this thread's bytes of a raw stage into the bf16 stage (zeros stay zeros)."""
         tx = T.get_thread_binding() - 2 * 128
-        lane = tx % WS_THREADS_PER_ROW
+        lane = plane(tx)
         # Measured (H200, BENCHMARKS.md): the rows of a packed pool widen faster through TileLang's
         # per-chunk casts (GLM prefill 322 against 293 TFLOPS), native FP8 rows through `widen` (343
         # against 299).
         if not packed:
             for p in T.unroll(passes):
-                j = p * rows_per_pass + tx // WS_THREADS_PER_ROW
+                j = p * rows_per_pass + prow(tx)
                 widen(raw_v, dst_l, dst_r, raw_sc, p, j, lane)
         for p in T.unroll(passes):
-            j = p * rows_per_pass + tx // WS_THREADS_PER_ROW
+            j = p * rows_per_pass + prow(tx)
             ok_s[j] = ok[p]
             if packed:
                 for c in T.unroll(chunks // 2):  # a thread's chunk c of each half lies in tile c of that half
@@ -713,13 +741,13 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         ``T.ptx_cp_async`` it put three per pass and block)."""
         T.barrier_wait(free, phase ^ 1)
         tx = T.get_thread_binding() - 2 * 128
-        lane = tx % WS_THREADS_PER_ROW
+        lane = plane(tx)
         words = T.view(kv, (s_count, row_w // 2), dtype)  # the rows in 2-byte words, as the stage counts them
         w = piece // 2  # words per cp.async of FP8 values
         if packed:
             scales = T.view(kv, (s_count, row_w // 4), T.float32)
         for p in T.unroll(passes):
-            j = p * rows_per_pass + tx // WS_THREADS_PER_ROW
+            j = p * rows_per_pass + prow(tx)
             ok = entry_ok(blk, j, stop, nxt[p])
             T.call_extern("handle", "dsa_put_flag", T.address_of(ok_s[j]), T.if_then_else(ok, 1, 0))
             row = T.if_then_else(ok, nxt[p], 0)
@@ -743,7 +771,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
             T.ptx_commit_group()  # one group per pass: the widening of a pass starts when its copies land
         load_index(indices, t, blk + 1, nxt)
         for p in T.unroll(passes):
-            j = p * rows_per_pass + tx // WS_THREADS_PER_ROW
+            j = p * rows_per_pass + prow(tx)
             # this thread's own copies of pass p (T.ptx_wait_group would add a barrier)
             T.call_extern("handle", "dsa_cp_async_wait", passes - 1 - p)
             widen(None, dst_l, dst_r, sc, p, j, lane)
@@ -807,7 +835,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
             else:
                 qt_s = kt_s0 = kt_s1 = None
             if staged:
-                raw0, raw1 = [(T.alloc_shared((block_i, d_v), T.float8_e4m3fn),
+                raw0, raw1 = [(T.alloc_shared((block_i, d_v + (RAW_PAD if quarters else 0)), T.float8_e4m3fn),
                                T.alloc_shared((block_i, d_tail), dtype if packed else T.float8_e4m3fn)
                                if d_tail else None)
                               for _ in range(2)]
