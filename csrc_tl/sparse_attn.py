@@ -383,6 +383,22 @@ WS_NREG = {("paired", 1): (208, 224, 72), ("single", 1): (240, 168, 80), ("singl
 WS_THREADS_PER_ROW = 8
 
 
+def ws_row_lane(tx, quarters: bool):
+    """``(row, lane)`` of producer thread ``tx`` in one pass of :func:`build_attn_ws` (an int or a TIR
+    expression): each row of a pass has eight lanes. Eight consecutive threads take one row, or with
+    ``quarters`` a quarter warp (the eight threads one 16-byte shared-memory access serves at once) takes
+    lanes 0-3 or 4-7 of two adjacent rows.
+
+    Why quarters: a lane of an FP8 row widens 16-value chunks into 32 bytes of the bf16 stage, whose
+    128-byte swizzle puts lanes 0-3 and 4-7 of a row (two 64-wide atoms) on the same banks, so the eight
+    lanes of one row store each 16-byte half in two wavefronts (ncu, GLM packed prefill: STS.128 at
+    twice their ideal wavefronts, 13% of the kernel's shared-memory wavefronts); lanes 0-3 of two rows,
+    which differ in the swizzle's lowest bit, store it in one."""
+    if quarters:
+        return tx // 16 * 2 + tx // 4 % 2, tx % 4 + tx // 8 % 2 * 4
+    return tx // WS_THREADS_PER_ROW, tx % WS_THREADS_PER_ROW
+
+
 def ws_block(geo: AttnGeometry, split: bool) -> int:
     """Top-k rows per block of :func:`build_attn_ws`: 128 for the prefill of narrow bf16 rows (two
     stages of 128 rows still fit beside q; halves the score GEMMs' re-reads of q per row), else 64.
@@ -534,24 +550,18 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
     nreg = WS_NREG[scheme] if nreg is None else nreg
     rows_per_pass = 128 * n_prod // WS_THREADS_PER_ROW  # rows the producer threads fill at once
 
-    # The row (within a pass) and lane of producer thread tx: eight consecutive threads per row, or with
-    # `quarters` a quarter warp (the eight threads one 16-byte shared-memory access serves at once) takes
-    # lanes 0-3 or 4-7 of two adjacent rows. A lane widens 32-byte chunks into the stage, whose 128-byte
-    # swizzle puts lanes 0-3 and 4-7 of a row (two 64-wide atoms) on the same banks: the eight lanes of
-    # one row store every chunk in two wavefronts (ncu, GLM packed prefill: STS.128 at twice their ideal
-    # wavefronts, 13% of the kernel's shared-memory wavefronts), lanes 0-3 of two rows (which differ in
-    # the swizzle's lowest bit) in one. Measured (H200, BENCHMARKS.md, twelfth session): faster for
-    # native FP8 rows (GLM prefill 375 against 358 TFLOPS, DeepSeek 404 against 388; GLM decode T 17
-    # 16.6 against 17.0 us) and the split kernel over packed rows (GLM T 1 9.8 against 10.1 us, T 17 17.6
-    # against 18.0), slower for the prefill over packed rows (333 against 339), which keeps eight threads
-    # per row. bf16 rows are copied straight into the stage, 16 bytes per lane: no conflict either way.
+    # which producer threads share a row (see ws_row_lane). Measured (H200, BENCHMARKS.md, twelfth
+    # session): quarters are faster for native FP8 rows (GLM prefill 375 against 358 TFLOPS, DeepSeek 404
+    # against 388; GLM decode T 17 16.6 against 17.0 us) and for the split kernel over packed rows (GLM
+    # T 1 9.8 against 10.1 us, T 17 17.6 against 18.0), slower for the prefill over packed rows (333
+    # against 339). bf16 rows are copied straight into the stage, 16 bytes per lane: no conflict either way.
     quarters = not copies_async and (split or not packed)
 
     def prow(tx):
-        return tx // 16 * 2 + tx // 4 % 2 if quarters else tx // WS_THREADS_PER_ROW
+        return ws_row_lane(tx, quarters)[0]
 
     def plane(tx):
-        return tx % 4 + tx // 8 % 2 * 4 if quarters else tx % WS_THREADS_PER_ROW
+        return ws_row_lane(tx, quarters)[1]
     passes = block_i // rows_per_pass
     ready_count = 128 * n_prod * (2 if copies_async else 1)  # producer threads arrive once, or twice with cp.async
     n_tiles = d_v // QUANT_TILE

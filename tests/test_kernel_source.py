@@ -281,3 +281,23 @@ def test_register_budgets_fit_the_launch():
         launch = 65536 // (128 * warpgroups) // 8 * 8
         assert all(r % 8 == 0 and 24 <= r <= 256 for r in (first, second, producer))
         assert first + second + producers * producer <= warpgroups * launch
+
+
+@pytest.mark.parametrize("quarters", [False, True])
+def test_producer_rows_and_lanes(quarters):
+    # every (row, lane) of a pass belongs to exactly one producer thread; with quarters the eight
+    # threads of a quarter warp store the same 16-byte half of their 32-byte widened chunks to eight
+    # different 16-byte bank groups of the stage's 128-byte swizzle (one wavefront), without to four
+    from csrc_tl.sparse_attn import ws_row_lane
+
+    threads = 256
+    assert sorted(ws_row_lane(tx, quarters) for tx in range(threads)) == [
+        (row, lane) for row in range(threads // 8) for lane in range(8)]
+    for first in range(0, threads, 8):
+        for half in (0, 1):
+            groups = set()
+            for tx in range(first, first + 8):
+                row, lane = ws_row_lane(tx, quarters)
+                chunk = 2 * lane + half  # 16-byte chunk of the row's 128 bf16 values
+                groups.add(chunk % 8 ^ row % 8)  # its place in a 128-byte swizzle atom
+            assert len(groups) == (8 if quarters else 4)
