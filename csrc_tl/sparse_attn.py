@@ -492,7 +492,8 @@ def ws_staged(geo: AttnGeometry, block_i: int = 64) -> bool:
     if geo.kv_kind == "bf16":
         return False
     hb, d_qk = MAX_HEAD_BLOCK, geo.d_qk
-    raw_row = geo.d_v + RAW_PAD + geo.d_rope * (2 if geo.kv_kind == "packed" else 1)  # scales go to registers
+    # scales go to registers; RAW_PAD is counted for every kernel, though only those with quarters pad
+    raw_row = geo.d_v + RAW_PAD + geo.d_rope * (2 if geo.kv_kind == "packed" else 1)
     return 2 * hb * d_qk + 2 * 2 * block_i * d_qk + 2 * block_i * raw_row + 2 * hb * block_i + 4096 <= SMEM_LIMIT
 
 
