@@ -21,8 +21,9 @@ With ``d_rope == 0`` the tail is compiled out: no tail buffers, copies or GEMMs 
 On Hopper, :func:`build_attn_ws` builds the same two paths warp-specialized (for 64-head blocks): a
 producer warpgroup gathers the next top-k block into one of two shared stages while warpgroup 0
 runs the score GEMMs, the softmax and the left half of PV and warpgroup 1 the right half of PV;
-for the prefill of narrow bf16 rows the two consumer warpgroups instead score the two blocks of a
-pair side by side. Where FP8 rows are staged raw (:func:`ws_staged`), two producer warpgroups
+for the prefill of bf16 rows the two consumer warpgroups instead score the two blocks of a pair side
+by side (over 64-row blocks in FlashMLA's pipeline: stages in halves with barriers of their own, the
+next pair's scores issued under the last PV GEMM). Where FP8 rows are staged raw (:func:`ws_staged`), two producer warpgroups
 widen them; wider FP8 rows are copied raw into their own bf16 stage and widened there.
 
 FP8 inputs (native float8_e4m3fn q or kv, and the values of a packed row) are widened to bf16 on
@@ -104,18 +105,34 @@ def head_block(heads: int) -> int:
 
 
 @T.macro
-def exponentiate(acc_s, acc_o, m, alpha, sum_i, sumexp, scale2):
+def rescale(acc_o, alpha, flag=None):
+    """``acc_o [hb, width]`` times ``alpha [hb]`` by rows; with a thread-local ``flag`` only in the threads
+    whose rows have an ``alpha`` other than 1 (``lazy_gap`` in :func:`build_attn_ws`)."""
+    hb, width = acc_o.shape
+    if flag is None:
+        for h, d in T.Parallel(hb, width):
+            acc_o[h, d] = acc_o[h, d] * alpha[h]
+    else:
+        flag[0] = 0
+        for h in T.Parallel(hb):
+            if alpha[h] != 1.0:
+                flag[0] = 1
+        if flag[0] != 0:
+            for h, d in T.Parallel(hb, width):
+                acc_o[h, d] = acc_o[h, d] * alpha[h]
+
+
+@T.macro
+def exponentiate(acc_s, acc_o, m, alpha, sum_i, sumexp, scale2, flag=None):
     """Scores ``acc_s [hb, block_i]`` to probabilities against the max ``m``; the row sums ``sumexp`` and
     the output ``acc_o [hb, width]``, rescaled by ``alpha`` (the last max to ``m``), take them in."""
     hb, block_i = acc_s.shape
-    width = acc_o.shape[1]
     for h, j in T.Parallel(hb, block_i):
         acc_s[h, j] = T.exp2(acc_s[h, j] * scale2 - m[h] * scale2)
     T.reduce_sum(acc_s, sum_i, dim=1)
     for h in T.Parallel(hb):
         sumexp[h] = sumexp[h] * alpha[h] + sum_i[h]
-    for h, d in T.Parallel(hb, width):
-        acc_o[h, d] = acc_o[h, d] * alpha[h]
+    rescale(acc_o, alpha, flag)
 
 
 @T.macro
@@ -448,18 +465,6 @@ __device__ __forceinline__ void dsa_widen(const void* raw, void* d0, void* d1, f
   *reinterpret_cast<uint4*>(d0) = dsa_widen8(v.x, v.y, scale, kScaled);
   *reinterpret_cast<uint4*>(d1) = dsa_widen8(v.z, v.w, scale, kScaled);
 }
-// Stores and copies of the in-place producer addressed with T.address_of, out of sight of TileLang's
-// barrier planner (see produce_inplace): a flag, and a cp.async of N bytes (zeros where pred is false).
-__device__ __forceinline__ void dsa_put_flag(int* p, int v) { *p = v; }
-template <int N>
-__device__ __forceinline__ void dsa_cp_async(void* smem, const void* gmem, bool pred) {
-  unsigned a = (unsigned)__cvta_generic_to_shared(smem);
-  if constexpr (N == 16) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(a), "l"(gmem), "r"(pred ? 16 : 0) : "memory");
-  } else {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" :: "r"(a), "l"(gmem), "n"(N), "r"(pred ? N : 0) : "memory");
-  }
-}
 // wait until at most n of this thread's cp.async groups are pending (n a constant after unrolling)
 __device__ __forceinline__ void dsa_cp_async_wait(int n) {
   switch (n) {
@@ -474,6 +479,22 @@ __device__ __forceinline__ void dsa_cp_async_wait(int n) {
 __device__ __forceinline__ void dsa_widen_tail_inplace(void* t) {
   uint2 raw = *reinterpret_cast<const uint2*>(t);
   *reinterpret_cast<uint4*>(t) = dsa_widen8(raw.x, raw.y, 1.0f, false);
+}
+"""
+
+WS_COPY = """
+// Stores and copies of the in-place and halves producers addressed with T.address_of, out of sight
+// of TileLang's barrier planner (see produce_inplace): a flag, and a cp.async of N bytes (zeros where
+// pred is false).
+__device__ __forceinline__ void dsa_put_flag(int* p, int v) { *p = v; }
+template <int N>
+__device__ __forceinline__ void dsa_cp_async(void* smem, const void* gmem, bool pred) {
+  unsigned a = (unsigned)__cvta_generic_to_shared(smem);
+  if constexpr (N == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(a), "l"(gmem), "r"(pred ? 16 : 0) : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" :: "r"(a), "l"(gmem), "n"(N), "r"(pred ? N : 0) : "memory");
+  }
 }
 """
 
@@ -497,15 +518,24 @@ def ws_staged(geo: AttnGeometry, block_i: int = 64) -> bool:
     return 2 * hb * d_qk + 2 * 2 * block_i * d_qk + 2 * block_i * raw_row + 2 * hb * block_i + 4096 <= SMEM_LIMIT
 
 
+def ws_paired_fits(geo: AttnGeometry, block_i: int) -> bool:
+    """Whether the paired scheme of :func:`build_attn_ws` fits in shared memory: q, two stages and two
+    probability tiles (warpgroup 0's in its stage's tail where that is as wide as a block)."""
+    hb, d_qk = MAX_HEAD_BLOCK, geo.d_qk
+    tiles = 1 if geo.d_rope == block_i else 2
+    return 2 * (hb * d_qk + 2 * block_i * d_qk + tiles * hb * block_i) + 2048 <= SMEM_LIMIT  # + flags, barriers
+
+
 def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None = None,
                   producers: int | None = None, nreg: tuple[int, int, int] | None = None):
     """Warp-specialized prefill kernel for Hopper (sm_90, CUDA only: mbarriers and setmaxnreg): a
     producer warpgroup gathers (and for a packed pool dequantizes) the next top-k block into the
     other of two shared stages while two consumer warpgroups run the GEMMs and the softmax on the
     current one; the value width is split in halves between the two consumers. For the prefill of
-    narrow bf16 rows (128-row blocks) the stages hold a pair of blocks and each consumer scores one
-    of them (the running max passes between them once per pair); elsewhere warpgroup 0 scores every
-    block. ``nreg`` overrides the setmaxnreg budgets of :data:`WS_NREG`.
+    bf16 rows the stages hold a pair of blocks and each consumer scores one of them (the running max
+    passes between them once per pair; over 64-row blocks each stage is filled and freed in halves,
+    see ``halves``); elsewhere warpgroup 0 scores every block. ``nreg`` overrides the setmaxnreg
+    budgets of :data:`WS_NREG`.
 
     Same arguments as ``build_attn(geo, split=...)``, with ``block_i`` from :func:`ws_block` unless
     given; needs ``ws_supported(geo)``. With ``split`` it is the decode kernel: the grid's second axis
@@ -541,11 +571,23 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
     inplace = geo.kv_kind != "bf16" and not staged  # FP8 rows without room for raw stages: widened in place
     # two producer warpgroups where staged FP8 rows are widened: the widening bounds the kernel
     n_prod = (2 if staged else 1) if producers is None else producers
-    # the prefill of narrow bf16 rows (128-row blocks): the two consumer warpgroups score the blocks
-    # of a pair side by side; elsewhere warpgroup 0 scores each block as soon as it is ready (measured:
-    # BENCHMARKS.md; pairs were no faster for the 576-wide rows and slower where the producer bounds
-    # the kernel, over FP8 rows)
-    paired = block_i == 128 and geo.kv_kind == "bf16"
+    # the prefill of bf16 rows: the two consumer warpgroups score the blocks of a pair side by side;
+    # elsewhere warpgroup 0 scores each block as soon as it is ready (measured: BENCHMARKS.md; pairs
+    # were slower where the producer bounds the kernel, over FP8 rows)
+    paired = geo.kv_kind == "bf16" and not split and ws_paired_fits(geo, block_i)
+    # where the tail is as wide as a block, warpgroup 0's shared probabilities take its stage's tail
+    # (read by its score GEMM only; refilled after warpgroup 1's last PV GEMM of the pair, as FlashMLA)
+    p0_in_tail = paired and d_tail == block_i
+    # Paired over 64-row blocks (rows wider than 256): FlashMLA's pipeline. Each stage has two halves with
+    # barriers of their own (the left value half; the right one with the tail), refilled as soon as their
+    # last reader is done, and warpgroup 0 issues the next pair's score GEMMs under its last PV GEMM.
+    # Measured (H200, BENCHMARKS.md, fourteenth session): DeepSeek bf16 prefill 545-556 against 513-521
+    # TFLOPS; over 128-row blocks (GLM) 472-476 against 493 for the whole-stage scheme, which they keep.
+    halves = paired and block_i == 64
+    # The running max moves only when a row's max grows by more than 2^8 in the exp2 domain, so most
+    # blocks rescale nothing (probabilities stay below 2^8: exact in float32, the same relative
+    # precision in bf16); threads whose rows' max did not move skip the rescale (544 against 527).
+    lazy_gap = 8.0 / scale2 if halves else None
     scheme = ("paired" if paired else "single", n_prod)
     assert nreg is not None or scheme in WS_NREG, f"no register budgets for {scheme}; pass nreg"
     nreg = WS_NREG[scheme] if nreg is None else nreg
@@ -629,6 +671,41 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         # inserts no warpgroup sync into the producer (a named barrier id it would share with the
         # first consumer warpgroup: a deadlock)
         T.cp_async_barrier_noinc(ready)
+
+    def cp_async(dst, src, nbytes, pred):
+        """cp.async of ``nbytes`` from ``src`` to ``dst`` (zeros where ``pred`` is false), out of sight of
+        TileLang's barrier planner (``T.address_of``; the in-place producer, see there). The whole-stage
+        bf16 and the staged producers keep ``T.ptx_cp_async`` and the barriers TileLang adds: through
+        this helper they ran no faster or slower (GLM bf16 prefill 460 -> 450, GLM packed 319 -> 307
+        TFLOPS; BENCHMARKS.md, seventh session). The halves producer (``fill_half``) uses it: TileLang
+        put four producer-wide barriers in every half there."""
+        return T.call_extern("handle", f"dsa_cp_async<{nbytes}>", T.address_of(dst), T.address_of(src), pred)
+
+    @T.macro
+    def fill_half(kv, blk, stop, raw, base, dst, dst_t, ok_s, ready, free, phase):
+        """Paired scheme: once its readers have freed it, gather value columns ``[base, base + half)`` (and
+        the tail into ``dst_t``, where given) of this thread's rows of top-k block ``blk`` (raw indices
+        ``raw``) into a stage half by cp.async, predicated as in :func:`produce`; the rows' valid flags go
+        to ``ok_s`` where given."""
+        T.barrier_wait(free, phase ^ 1)
+        tx = T.get_thread_binding() - 2 * 128
+        lane = plane(tx)
+        for p in T.unroll(passes):
+            j = p * rows_per_pass + prow(tx)
+            ok = entry_ok(blk, j, stop, raw[p])
+            row = T.if_then_else(ok, raw[p], 0)
+            if ok_s is not None:
+                T.call_extern("handle", "dsa_put_flag", T.address_of(ok_s[j]), T.if_then_else(ok, 1, 0))
+            for c in T.unroll(chunks // 2):
+                col = (c * WS_THREADS_PER_ROW + lane) * vec
+                cp_async(dst[j, col], kv[row, base + col], 16, ok)
+            if dst_t is not None:
+                for c in T.unroll(tail_chunks):
+                    col = (c * WS_THREADS_PER_ROW + lane) * 8
+                    cp_async(dst_t[j, col], kv[row, d_v + col], 16, ok)
+        T.fence_proxy_async()
+        T.barrier_arrive(ready)
+        T.cp_async_barrier_noinc(ready)  # (see produce)
 
     def widen(raw_v, dst_l, dst_r, sc, p, j, lane):
         """The call that widens this thread's chunks of row ``j`` (pass ``p``) into ``dst_l`` / ``dst_r``,
@@ -732,14 +809,6 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         T.fence_proxy_async()
         T.barrier_arrive(ready)
 
-    def cp_async(dst, src, nbytes, pred):
-        """cp.async of ``nbytes`` from ``src`` to ``dst`` (zeros where ``pred`` is false), out of sight of
-        TileLang's barrier planner (``T.address_of``; the in-place producer, see there). The bf16 and
-        staged producers keep ``T.ptx_cp_async`` and the barriers TileLang adds: through this helper
-        they ran no faster or slower (GLM bf16 prefill 460 -> 450, GLM packed 319 -> 307 TFLOPS;
-        BENCHMARKS.md, seventh session)."""
-        return T.call_extern("handle", f"dsa_cp_async<{nbytes}>", T.address_of(dst), T.address_of(src), pred)
-
     @T.macro
     def produce_inplace(kv, indices, t, blk, stop, nxt, sc, dst_l, dst_r, dst_t, ok_s, ready, free, phase):
         """Gather top-k block ``blk`` (raw indices ``nxt``, loaded one block earlier) into a stage and
@@ -819,7 +888,8 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         T.barrier_arrive(q_ready)
 
     calls_widen = inplace or (staged and not packed)  # (see widen_raw)
-    prelude = (WS_PRELUDE if paired else "") + (WS_WIDEN if calls_widen else "") or None
+    prelude = ((WS_PRELUDE if paired else "") + (WS_COPY if inplace or halves else "")
+               + (WS_WIDEN if calls_widen else "")) or None
 
     @T.macro
     def attend(q, kv, indices, topk_length, out, lse):
@@ -854,7 +924,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
             ok1 = T.alloc_shared((block_i,), T.int32)
             if paired:
                 # probabilities each consumer shares with the other (bf16, relative to the pair's final max)
-                p0_s = T.alloc_shared((hb, block_i), dtype)
+                p0_s = kt_s0 if p0_in_tail else T.alloc_shared((hb, block_i), dtype)
                 p1_s = T.alloc_shared((hb, block_i), dtype)
                 m_s = T.alloc_shared((hb,), acc)  # running max, handed from one warpgroup to the other
             else:
@@ -881,10 +951,22 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                 sum_r = T.alloc_fragment((hb,), acc)
                 sumexp_r = T.alloc_fragment((hb,), acc)
 
-            ready0 = T.alloc_barrier(arrive_count=ready_count)
-            ready1 = T.alloc_barrier(arrive_count=ready_count)
-            free0 = T.alloc_barrier(arrive_count=256)
-            free1 = T.alloc_barrier(arrive_count=256)
+            if halves:
+                # the left value half of a stage is last read by warpgroup 0, the right one with the
+                # tail by warpgroup 1
+                ready_l0 = T.alloc_barrier(arrive_count=ready_count)
+                ready_r0 = T.alloc_barrier(arrive_count=ready_count)
+                ready_l1 = T.alloc_barrier(arrive_count=ready_count)
+                ready_r1 = T.alloc_barrier(arrive_count=ready_count)
+                free_l0 = T.alloc_barrier(arrive_count=128)
+                free_r0 = T.alloc_barrier(arrive_count=128)
+                free_l1 = T.alloc_barrier(arrive_count=128)
+                free_r1 = T.alloc_barrier(arrive_count=128)
+            else:
+                ready0 = T.alloc_barrier(arrive_count=ready_count)
+                ready1 = T.alloc_barrier(arrive_count=ready_count)
+                free0 = T.alloc_barrier(arrive_count=256)
+                free1 = T.alloc_barrier(arrive_count=256)
             if paired:
                 m0_ready = T.alloc_barrier(arrive_count=128)  # m_s holds warpgroup 0's max of the pair
                 m1_ready = T.alloc_barrier(arrive_count=128)  # ... the pair's final max (warpgroup 1's)
@@ -936,19 +1018,42 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                 T.fill(m_i, NEG_START)
                 T.barrier_wait(q_ready, 0)
                 if paired:
+                    # Halves: the scores of the first pair's block here; those of each later pair are issued
+                    # under the last PV GEMM of the pair before. ptxas serializes every wgmma of the
+                    # kernel (C7515) if an accumulator is written by other instructions while a GEMM is
+                    # in flight, or if a GEMM is in flight across the loop's entry or back-edge: so the
+                    # first score GEMM clears the accumulator, invalid entries are masked after the
+                    # wait, and every GEMM is waited for before the loop's next step.
+                    flag = T.alloc_local((1,), T.int32) if halves else None  # (see lazy_gap)
+                    if halves and pairs > 0:
+                        T.barrier_wait(ready_l0, 0)
+                        T.fence_proxy_async()  # cp.async wrote the stage; wgmma reads it through the async proxy
+                        T.wgmma_gemm(q_l, kv_l0, acc_s, transpose_B=True, clear_accum=True)
+                        T.barrier_wait(ready_r0, 0)
+                        T.fence_proxy_async()
+                        T.wgmma_gemm(q_r, kv_r0, acc_s, transpose_B=True)
+                        if d_tail:
+                            T.wgmma_gemm(qt_s, kt_s0, acc_s, transpose_B=True)
+                        T.wait_wgmma(0)
                     for pair in T.serial(pairs):
                         phase = pair & 1
-                        T.barrier_wait(ready0, phase)
-                        score(q_l, q_r, qt_s, kv_l0, kv_r0, kt_s0, ok0, acc_s)
+                        if halves:
+                            for h, j in T.Parallel(hb, block_i):
+                                acc_s[h, j] = T.if_then_else(ok0[j] != 0, acc_s[h, j], -T.infinity(acc))
+                        else:
+                            T.barrier_wait(ready0, phase)
+                            score(q_l, q_r, qt_s, kv_l0, kv_r0, kt_s0, ok0, acc_s)
                         # softmax against this warpgroup's max so far; warpgroup 1 takes it from m_s
                         T.copy(m_i, m_prev)
                         T.reduce_max(acc_s, m_i, dim=1, clear=False)
                         for h in T.Parallel(hb):
+                            if halves:
+                                m_i[h] = T.if_then_else(m_i[h] > m_prev[h] + lazy_gap, m_i[h], m_prev[h])
                             m_s[h] = m_i[h]
                         T.barrier_arrive(m0_ready)
                         for h in T.Parallel(hb):
                             alpha[h] = T.exp2((m_prev[h] - m_i[h]) * scale2)
-                        exponentiate(acc_s, acc_o, m_i, alpha, sum_i, sumexp, scale2)
+                        exponentiate(acc_s, acc_o, m_i, alpha, sum_i, sumexp, scale2, flag)
                         T.copy(acc_s, p_0)
                         T.wgmma_gemm(p_0, kv_l0, acc_o)
                         # the pair's final max from warpgroup 1: rescale to it and hand over this block's
@@ -958,17 +1063,43 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                             alpha[h] = T.exp2((m_i[h] - m_s[h]) * scale2)
                             m_i[h] = m_s[h]
                             sumexp[h] = sumexp[h] * alpha[h]
-                        for h, j in T.Parallel(hb, block_i):
-                            p0_s[h, j] = T.cast(acc_s[h, j] * alpha[h], dtype)
+                        if halves:  # (stmatrix)
+                            for h, j in T.Parallel(hb, block_i):
+                                acc_s[h, j] = acc_s[h, j] * alpha[h]
+                            T.copy(acc_s, p0_s)
+                        else:
+                            for h, j in T.Parallel(hb, block_i):
+                                p0_s[h, j] = T.cast(acc_s[h, j] * alpha[h], dtype)
                         T.fence_proxy_async()
                         T.barrier_arrive(p0_ready)
                         T.wait_wgmma(0)
-                        T.barrier_arrive(free0)
-                        for h, d in T.Parallel(hb, half):
-                            acc_o[h, d] = acc_o[h, d] * alpha[h]
+                        if halves:
+                            T.barrier_arrive(free_l0)  # the producer refills it with the next pair's block
+                        else:
+                            T.barrier_arrive(free0)
+                        rescale(acc_o, alpha, flag)
                         T.barrier_wait(p1_ready, phase)
-                        T.gemm(p1_s, kv_l1, acc_o)
-                        T.barrier_arrive(free1)
+                        if not halves:
+                            T.gemm(p1_s, kv_l1, acc_o)
+                            T.barrier_arrive(free1)
+                        else:
+                            T.wgmma_gemm(p1_s, kv_l1, acc_o)
+                            if pair + 1 < pairs:
+                                # the next pair's scores, issued while the last PV GEMM runs
+                                T.barrier_wait(ready_l0, phase ^ 1)
+                                T.fence_proxy_async()
+                                T.wgmma_gemm(q_l, kv_l0, acc_s, transpose_B=True, clear_accum=True)
+                                T.wait_wgmma(1)
+                                T.barrier_arrive(free_l1)
+                                T.barrier_wait(ready_r0, phase ^ 1)
+                                T.fence_proxy_async()
+                                T.wgmma_gemm(q_r, kv_r0, acc_s, transpose_B=True)
+                                if d_tail:
+                                    T.wgmma_gemm(qt_s, kt_s0, acc_s, transpose_B=True)
+                                T.wait_wgmma(0)
+                            else:
+                                T.wait_wgmma(0)
+                                T.barrier_arrive(free_l1)
                     for h in T.Parallel(hb):
                         T.call_extern("handle", "dsa_put_row_sum", h, sumexp[h])
                     T.barrier_arrive(done0)
@@ -1026,24 +1157,41 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                 stage_q(q, q_l, q_r, qt_s, t, h0, tx, q_ready)
                 T.fill(acc_o_r, 0)
                 if paired:
+                    flag_r = T.alloc_local((1,), T.int32) if halves else None
                     T.fill(sumexp_r, 0)
                     T.fill(m_r, NEG_START)
                     T.barrier_wait(q_ready, 0)
                     for pair in T.serial(pairs):
                         phase = pair & 1
-                        T.barrier_wait(ready1, phase)
-                        score(q_l, q_r, qt_s, kv_l1, kv_r1, kt_s1, ok1, acc_s_r)
+                        if halves:
+                            # the right half (and tail) first: the producer fills it before the left one
+                            T.barrier_wait(ready_r1, phase)
+                            T.fence_proxy_async()
+                            T.wgmma_gemm(q_r, kv_r1, acc_s_r, transpose_B=True, clear_accum=True)
+                            if d_tail:
+                                T.wgmma_gemm(qt_s, kt_s1, acc_s_r, transpose_B=True)
+                            T.barrier_wait(ready_l1, phase)
+                            T.fence_proxy_async()
+                            T.wgmma_gemm(q_l, kv_l1, acc_s_r, transpose_B=True)
+                            T.wait_wgmma(0)
+                            for h, j in T.Parallel(hb, block_i):
+                                acc_s_r[h, j] = T.if_then_else(ok1[j] != 0, acc_s_r[h, j], -T.infinity(acc))
+                        else:
+                            T.barrier_wait(ready1, phase)
+                            score(q_l, q_r, qt_s, kv_l1, kv_r1, kt_s1, ok1, acc_s_r)
                         T.reduce_max(acc_s_r, sum_r, dim=1, clear=True)  # sum_r: this block's row max, for now
                         T.barrier_wait(m0_ready, phase)
                         # the pair's final max (at least warpgroup 0's, which is at least this one's last)
                         for h in T.Parallel(hb):
                             m_prev_r[h] = m_r[h]
                             m_r[h] = T.max(m_s[h], sum_r[h])
+                            if halves:
+                                m_r[h] = T.if_then_else(m_r[h] > m_s[h] + lazy_gap, m_r[h], m_s[h])
                             alpha_r[h] = T.exp2((m_prev_r[h] - m_r[h]) * scale2)
                         for h in T.Parallel(hb):
                             m_s[h] = m_r[h]
                         T.barrier_arrive(m1_ready)
-                        exponentiate(acc_s_r, acc_o_r, m_r, alpha_r, sum_r, sumexp_r, scale2)
+                        exponentiate(acc_s_r, acc_o_r, m_r, alpha_r, sum_r, sumexp_r, scale2, flag_r)
                         T.copy(acc_s_r, p_1)
                         T.wgmma_gemm(p_1, kv_r1, acc_o_r)
                         T.copy(acc_s_r, p1_s)
@@ -1051,9 +1199,15 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                         T.barrier_arrive(p1_ready)
                         T.barrier_wait(p0_ready, phase)
                         T.wgmma_gemm(p0_s, kv_r0, acc_o_r)
-                        T.wait_wgmma(0)
-                        T.barrier_arrive(free1)
-                        T.barrier_arrive(free0)
+                        if halves:
+                            T.wait_wgmma(1)
+                            T.barrier_arrive(free_r1)
+                            T.wait_wgmma(0)
+                            T.barrier_arrive(free_r0)
+                        else:
+                            T.wait_wgmma(0)
+                            T.barrier_arrive(free1)
+                            T.barrier_arrive(free0)
                     for h in T.Parallel(hb):
                         T.call_extern("handle", "dsa_put_row_sum", hb + h, sumexp_r[h])
                     T.barrier_arrive(done1)
@@ -1117,6 +1271,28 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                             produce_staged(kv, indices, t, blk + 1, stop, nxt, ok_b, ok_a, raw_a, raw_b, kv_l1, kv_r1,
                                            kt_s1, ok1, ready1, free1, pair & 1)
                     T.call_extern("handle", "tl::cp_async_wait<0>")  # the last (empty) copies land before exit
+                elif halves:
+                    # the halves of a pair in the order the consumers free them (FlashMLA's): stage 0's
+                    # left half, stage 1's right, stage 0's right, stage 1's left. The indices of the
+                    # next pair are loaded as a pair starts (loaded after a block's last half, they
+                    # left the producer waiting for them: ncu)
+                    cur_a = T.alloc_local((passes,), T.int32)  # raw indices of stage 0's block
+                    cur_b = T.alloc_local((passes,), T.int32)  # ... of stage 1's
+                    nxt_a = T.alloc_local((passes,), T.int32)  # ... of the next pair's
+                    nxt_b = T.alloc_local((passes,), T.int32)
+                    load_index(indices, t, first, cur_a)
+                    load_index(indices, t, first + 1, cur_b)
+                    for pair in T.serial(pairs):
+                        blk, phase = first + 2 * pair, pair & 1
+                        load_index(indices, t, blk + 2, nxt_a)
+                        load_index(indices, t, blk + 3, nxt_b)
+                        fill_half(kv, blk, stop, cur_a, 0, kv_l0, None, ok0, ready_l0, free_l0, phase)
+                        fill_half(kv, blk + 1, stop, cur_b, half, kv_r1, kt_s1, ok1, ready_r1, free_r1, phase)
+                        fill_half(kv, blk, stop, cur_a, half, kv_r0, kt_s0, None, ready_r0, free_r0, phase)
+                        fill_half(kv, blk + 1, stop, cur_b, 0, kv_l1, None, None, ready_l1, free_l1, phase)
+                        for p in T.unroll(passes):
+                            cur_a[p] = nxt_a[p]
+                            cur_b[p] = nxt_b[p]
                 else:
                     nxt = T.alloc_local((passes,), T.int32)
                     slot = T.alloc_local((passes,), T.int32)

@@ -155,7 +155,8 @@ NVCC = shutil.which("nvcc")
     "key",
     [cache_key("store_k_cache", "656", "int64"), cache_key("gather_dequant_k_cache", "264"),
      *attn_keys("glm-256+0-h64", "bf16"), *attn_keys("deepseek-512+64-h128", "packed", has_len=True)[:2],
-     *attn_keys("deepseek-512+64-h128", "fp8")[:2], attn_keys("deepseek-512+64-h128", "bf16")[0]],
+     *attn_keys("deepseek-512+64-h128", "fp8")[:2], attn_keys("deepseek-512+64-h128", "bf16")[0],
+     attn_keys("deepseek-512+64-h128", "bf16", has_len=True)[0]],
     ids=lambda k: k.name,
 )
 def test_cuda_sources_compile_for_sm90a(key, tmp_path):
@@ -257,19 +258,28 @@ def test_staged_copies_respect_row_alignment():
         assert set(re.findall(r"cp_async_gs_conditional<(\d+)>", producer)) == sizes
 
 
-@pytest.mark.parametrize("name, kind, path, paired", [
-    ("glm-256+0-h64", "bf16", 0, True),  # prefill of narrow bf16 rows: 128-row blocks in pairs
-    ("glm-256+0-h64", "bf16", 1, False),  # its split kernel
-    ("deepseek-512+64-h128", "bf16", 0, False),
-    ("glm-256+0-h64", "packed", 0, False),  # FP8 rows: the producer bounds the kernel
+@pytest.mark.parametrize("name, kind, path, paired, halves", [
+    ("glm-256+0-h64", "bf16", 0, True, False),  # prefill of narrow bf16 rows: 128-row blocks in pairs
+    ("glm-256+0-h64", "bf16", 1, False, False),  # its split kernel
+    ("deepseek-512+64-h128", "bf16", 0, True, True),  # 64-row blocks in pairs, FlashMLA's pipeline
+    ("deepseek-512+64-h128", "bf16", 1, False, False),
+    ("glm-256+0-h64", "packed", 0, False, False),  # FP8 rows: the producer bounds the kernel
 ])
-def test_paired_consumers(name, kind, path, paired):
+def test_paired_consumers(name, kind, path, paired, halves):
     # paired consumers: warpgroup 1 scores a block of its own and multiplies its own probabilities
     # from registers; the row sums pass between the consumers outside TileLang's shared buffers
     body = kernel_body(source(attn_keys(name, kind)[path], "cuda"))
     roles = re.split(r"warpgroup_reg_(?:alloc|dealloc)<\d+>", body)[1:]
     assert ("wgmma_rs" in roles[1]) == paired
     assert ("dsa_row_sum" in body) == paired
+    # halves: each half of a stage has its own barriers, and warpgroup 0 issues the next pair's score
+    # GEMMs (16 + 4 of them at 512+64) between its last PV GEMM's issue and its wait for it
+    assert ("ready_r1" in body) == halves
+    if halves:
+        first = roles[0]
+        pv = first.index("(&(((bfloat16_t*)p1_s)[0]))")
+        tail = first[pv:first.index("wait_wgmma<1>", pv)]
+        assert tail.count("wgmma_ss<") == 2 and "kv_l0" in tail
 
 
 def test_register_budgets_fit_the_launch():
