@@ -23,8 +23,9 @@ producer warpgroup gathers the next top-k block into one of two shared stages wh
 runs the score GEMMs, the softmax and the left half of PV and warpgroup 1 the right half of PV;
 for the prefill of bf16 rows the two consumer warpgroups instead score the two blocks of a pair side
 by side (over 64-row blocks in FlashMLA's pipeline: stages in halves with barriers of their own, the
-next pair's scores issued under the last PV GEMM). Where FP8 rows are staged raw (:func:`ws_staged`), two producer warpgroups
-widen them; wider FP8 rows are copied raw into their own bf16 stage and widened there.
+next pair's scores issued under the last PV GEMM). Where FP8 rows are staged raw (:func:`ws_staged`),
+two producer warpgroups widen them; wider FP8 rows are copied raw into their own bf16 stage and
+widened there.
 
 FP8 inputs (native float8_e4m3fn q or kv, and the values of a packed row) are widened to bf16 on
 their way into shared memory and the GEMMs run in bf16: every e4m3 value is exactly a bf16 value,
@@ -683,10 +684,10 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
 
     @T.macro
     def fill_half(kv, blk, stop, raw, base, dst, dst_t, ok_s, ready, free, phase):
-        """Paired scheme: once its readers have freed it, gather value columns ``[base, base + half)`` (and
-        the tail into ``dst_t``, where given) of this thread's rows of top-k block ``blk`` (raw indices
-        ``raw``) into a stage half by cp.async, predicated as in :func:`produce`; the rows' valid flags go
-        to ``ok_s`` where given."""
+        """Halves (see ``halves``): once its readers have freed it, gather value columns ``[base, base +
+        half)`` (and the tail into ``dst_t``, where given) of this thread's rows of top-k block ``blk``
+        (raw indices ``raw``) into a stage half by cp.async, predicated as in :func:`produce`; the rows'
+        valid flags go to ``ok_s`` where given."""
         T.barrier_wait(free, phase ^ 1)
         tx = T.get_thread_binding() - 2 * 128
         lane = plane(tx)
