@@ -878,6 +878,16 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         T.wait_wgmma(0)
 
     @T.macro
+    def score_half(ready, phase, q_part, k_part, acc_s, clear, qt_s=None, k_t=None):
+        """Halves: once stage half ``k_part`` (and the tail ``k_t``, where given) is ready, issue its score
+        GEMMs into ``acc_s``, not waited for; ``clear`` for a block's first, which zeroes the accumulator."""
+        T.barrier_wait(ready, phase)
+        T.fence_proxy_async()  # cp.async wrote the half; wgmma reads it through the async proxy
+        T.wgmma_gemm(q_part, k_part, acc_s, transpose_B=True, clear_accum=clear)
+        if k_t is not None:
+            T.wgmma_gemm(qt_s, k_t, acc_s, transpose_B=True)
+
+    @T.macro
     def stage_q(q, q_l, q_r, qt_s, t, h0, tx, q_ready):
         """The 256 consumer threads copy this block's q to shared memory (vectorized; the producer
         starts gathering meanwhile) and arrive on ``q_ready``."""
@@ -1027,14 +1037,8 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                     # wait, and every GEMM is waited for before the loop's next step.
                     flag = T.alloc_local((1,), T.int32) if halves else None  # (see lazy_gap)
                     if halves and pairs > 0:
-                        T.barrier_wait(ready_l0, 0)
-                        T.fence_proxy_async()  # cp.async wrote the stage; wgmma reads it through the async proxy
-                        T.wgmma_gemm(q_l, kv_l0, acc_s, transpose_B=True, clear_accum=True)
-                        T.barrier_wait(ready_r0, 0)
-                        T.fence_proxy_async()
-                        T.wgmma_gemm(q_r, kv_r0, acc_s, transpose_B=True)
-                        if d_tail:
-                            T.wgmma_gemm(qt_s, kt_s0, acc_s, transpose_B=True)
+                        score_half(ready_l0, 0, q_l, kv_l0, acc_s, True)
+                        score_half(ready_r0, 0, q_r, kv_r0, acc_s, False, qt_s, kt_s0)
                         T.wait_wgmma(0)
                     for pair in T.serial(pairs):
                         phase = pair & 1
@@ -1087,16 +1091,10 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                             T.wgmma_gemm(p1_s, kv_l1, acc_o)
                             if pair + 1 < pairs:
                                 # the next pair's scores, issued while the last PV GEMM runs
-                                T.barrier_wait(ready_l0, phase ^ 1)
-                                T.fence_proxy_async()
-                                T.wgmma_gemm(q_l, kv_l0, acc_s, transpose_B=True, clear_accum=True)
+                                score_half(ready_l0, phase ^ 1, q_l, kv_l0, acc_s, True)
                                 T.wait_wgmma(1)
                                 T.barrier_arrive(free_l1)
-                                T.barrier_wait(ready_r0, phase ^ 1)
-                                T.fence_proxy_async()
-                                T.wgmma_gemm(q_r, kv_r0, acc_s, transpose_B=True)
-                                if d_tail:
-                                    T.wgmma_gemm(qt_s, kt_s0, acc_s, transpose_B=True)
+                                score_half(ready_r0, phase ^ 1, q_r, kv_r0, acc_s, False, qt_s, kt_s0)
                                 T.wait_wgmma(0)
                             else:
                                 T.wait_wgmma(0)
@@ -1166,14 +1164,8 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                         phase = pair & 1
                         if halves:
                             # the right half (and tail) first: the producer fills it before the left one
-                            T.barrier_wait(ready_r1, phase)
-                            T.fence_proxy_async()
-                            T.wgmma_gemm(q_r, kv_r1, acc_s_r, transpose_B=True, clear_accum=True)
-                            if d_tail:
-                                T.wgmma_gemm(qt_s, kt_s1, acc_s_r, transpose_B=True)
-                            T.barrier_wait(ready_l1, phase)
-                            T.fence_proxy_async()
-                            T.wgmma_gemm(q_l, kv_l1, acc_s_r, transpose_B=True)
+                            score_half(ready_r1, phase, q_r, kv_r1, acc_s_r, True, qt_s, kt_s1)
+                            score_half(ready_l1, phase, q_l, kv_l1, acc_s_r, False)
                             T.wait_wgmma(0)
                             for h, j in T.Parallel(hb, block_i):
                                 acc_s_r[h, j] = T.if_then_else(ok1[j] != 0, acc_s_r[h, j], -T.infinity(acc))

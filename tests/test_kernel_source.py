@@ -272,8 +272,8 @@ def test_paired_consumers(name, kind, path, paired, halves):
     roles = re.split(r"warpgroup_reg_(?:alloc|dealloc)<\d+>", body)[1:]
     assert ("wgmma_rs" in roles[1]) == paired
     assert ("dsa_row_sum" in body) == paired
-    # halves: each half of a stage has its own barriers, and warpgroup 0 issues the next pair's score
-    # GEMMs (16 + 4 of them at 512+64) between its last PV GEMM's issue and its wait for it
+    # halves: each half of a stage has its own barriers, and warpgroup 0 issues the next pair's first
+    # score GEMM (over stage 0's left half) between its last PV GEMM's issue and its wait for that GEMM
     assert ("ready_r1" in body) == halves
     if halves:
         first = roles[0]
