@@ -582,8 +582,9 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
     # Paired over 64-row blocks (rows wider than 256): FlashMLA's pipeline. Each stage has two halves with
     # barriers of their own (the left value half; the right one with the tail), refilled as soon as their
     # last reader is done, and warpgroup 0 issues the next pair's score GEMMs under its last PV GEMM.
-    # Measured (H200, BENCHMARKS.md, fourteenth session): DeepSeek bf16 prefill 545-556 against 513-521
-    # TFLOPS; over 128-row blocks (GLM) 472-476 against 493 for the whole-stage scheme, which they keep.
+    # Measured (H200, BENCHMARKS.md, fourteenth session): DeepSeek bf16 prefill 557 against 516 TFLOPS
+    # in one call (run BK; its earlier forms 527-556 against 513-521); over 128-row blocks (GLM) 472-476
+    # against 493 for the whole-stage scheme, which they keep.
     halves = paired and block_i == 64
     # The running max moves only when a row's max grows by more than 2^8 in the exp2 domain, so most
     # blocks rescale nothing (probabilities stay below 2^8: exact in float32, the same relative
