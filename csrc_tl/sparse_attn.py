@@ -527,6 +527,14 @@ def ws_paired_fits(geo: AttnGeometry, block_i: int) -> bool:
     return 2 * (hb * d_qk + 2 * block_i * d_qk + tiles * hb * block_i) + 2048 <= SMEM_LIMIT  # + flags, barriers
 
 
+# TileLang pass configs of the build_attn_ws kernels: nvcc's fast math, so each exp2f / log2f is one
+# ex2 / lg2.approx.ftz instruction (TileLang compiles IEEE-accurate forms by default, with extra
+# instructions around each for subnormal results). Measured (H200, BENCHMARKS.md, fifteenth session,
+# one call): GLM bf16 prefill 511 against 495 TFLOPS, GLM packed prefill 345 against 340, GLM fp8
+# prefill 383 against 375, GLM packed decode T 17 17.3 against 17.6 us; DeepSeek bf16 prefill 560 both.
+WS_PASS_CONFIGS = {"tl.enable_fast_math": True}
+
+
 def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None = None,
                   producers: int | None = None, nreg: tuple[int, int, int] | None = None):
     """Warp-specialized prefill kernel for Hopper (sm_90, CUDA only: mbarriers and setmaxnreg): a
@@ -1190,10 +1198,15 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                         T.wgmma_gemm(p_1, kv_r1, acc_o_r)
                         T.copy(acc_s_r, p1_s)
                         T.fence_proxy_async()
-                        T.barrier_arrive(p1_ready)
+                        if not halves:
+                            T.barrier_arrive(p1_ready)
                         T.barrier_wait(p0_ready, phase)
                         T.wgmma_gemm(p0_s, kv_r0, acc_o_r)
                         if halves:
+                            # warpgroup 0's PV GEMM over these probabilities only after this one, whose
+                            # end frees the stage half warpgroup 0 scores next (FlashMLA's order;
+                            # H200: 550-557 against 544-551 TFLOPS in one call, BENCHMARKS.md)
+                            T.barrier_arrive(p1_ready)
                             T.wait_wgmma(1)
                             T.barrier_arrive(free_r1)
                             T.wait_wgmma(0)

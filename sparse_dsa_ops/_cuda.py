@@ -103,6 +103,13 @@ def attn_keys(kv_kind: str, d_v: int, d_rope: int, heads: int, sm_scale: float, 
     return keys
 
 
+def pass_configs(key: KernelKey) -> dict:
+    """TileLang pass configs the kernel of ``key`` is compiled with."""
+    from csrc_tl import sparse_attn
+
+    return dict(sparse_attn.WS_PASS_CONFIGS) if key.family in ("attn_prefill_ws", "attn_decode_ws") else {}
+
+
 def lower_source(key: KernelKey, target: str) -> str:
     """Generated kernel source of ``key`` for ``target`` ('cuda' = sm_90a, 'hip' = gfx950); needs no GPU."""
     import tilelang
@@ -134,7 +141,7 @@ def _compile(key: KernelKey, func=None) -> Callable:
     """Lower and build ``key`` (from its already elaborated program ``func`` if given)."""
     import tilelang
 
-    return tilelang.compile(program(key) if func is None else func, target=_target())
+    return tilelang.compile(program(key) if func is None else func, target=_target(), pass_configs=pass_configs(key))
 
 
 def kernel(key: KernelKey) -> Callable:
