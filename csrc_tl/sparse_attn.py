@@ -1198,15 +1198,14 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                         T.wgmma_gemm(p_1, kv_r1, acc_o_r)
                         T.copy(acc_s_r, p1_s)
                         T.fence_proxy_async()
-                        if not halves:
-                            T.barrier_arrive(p1_ready)
                         T.barrier_wait(p0_ready, phase)
                         T.wgmma_gemm(p0_s, kv_r0, acc_o_r)
+                        # warpgroup 0's PV GEMM over these probabilities only after this one, whose
+                        # end frees the stage (half) warpgroup 0 scores next (FlashMLA's order; H200,
+                        # BENCHMARKS.md: DeepSeek 550-557 against 544-551 TFLOPS, GLM 518-522
+                        # against 503-506)
+                        T.barrier_arrive(p1_ready)
                         if halves:
-                            # warpgroup 0's PV GEMM over these probabilities only after this one, whose
-                            # end frees the stage half warpgroup 0 scores next (FlashMLA's order;
-                            # H200: 550-557 against 544-551 TFLOPS in one call, BENCHMARKS.md)
-                            T.barrier_arrive(p1_ready)
                             T.wait_wgmma(1)
                             T.barrier_arrive(free_r1)
                             T.wait_wgmma(0)
