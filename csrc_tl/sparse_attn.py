@@ -530,9 +530,10 @@ def ws_paired_fits(geo: AttnGeometry, block_i: int) -> bool:
 # TileLang pass configs of the build_attn_ws kernels: nvcc's fast math, so each exp2f / log2f is one
 # ex2 / lg2.approx.ftz instruction (TileLang compiles IEEE-accurate forms by default, with extra
 # instructions around each for subnormal results); divisions are approximate and subnormal float32
-# values flush to zero too (the GPU suite's comparisons with the reference hold). Measured (H200, BENCHMARKS.md, fifteenth session,
-# one call): GLM bf16 prefill 511 against 495 TFLOPS, GLM packed prefill 345 against 340, GLM fp8
-# prefill 383 against 375, GLM packed decode T 17 17.3 against 17.6 us; DeepSeek bf16 prefill 560 both.
+# values flush to zero too (the GPU suite's comparisons with the reference hold). Measured (H200,
+# BENCHMARKS.md, fifteenth session, one call): GLM bf16 prefill 511 against 495 TFLOPS, GLM packed
+# prefill 345 against 340, GLM fp8 prefill 383 against 375, GLM packed decode T 17 17.3 against
+# 17.6 us; DeepSeek bf16 prefill 560 both.
 WS_PASS_CONFIGS = {"tl.enable_fast_math": True}
 
 
