@@ -13,8 +13,9 @@ Shapes (T tokens, H heads, K top-k entries, S pool rows, NS splits; all dynamic 
 ``q [T, H, d_qk]`` bf16 or float8_e4m3fn, ``kv [S, d_qk]`` bf16 or float8_e4m3fn (raw values) or packed
 ``[S, B] uint8``, ``indices [T, K] int32``
 (K a multiple of ``block_i``), optional ``topk_length [T] int32``; prefill writes
-``out [T, H, d_v] bf16`` and ``lse [T, H] float32``, decode writes ``part_out [T, NS, H, d_v]``
-and ``part_lse [T, NS, H]`` float32.
+``out [T, H, d_v] bf16`` and ``lse [T, H] float32``, decode writes ``part_out [T, NS, partial_heads(H), d_v] bf16``
+(normalized partials: their rounding adds at most one bf16 rounding, 2^-9 relative, to the merged
+output, which the combine rounds once more) and ``part_lse [T, NS, H] float32``.
 
 With ``d_rope == 0`` the tail is compiled out: no tail buffers, copies or GEMMs exist.
 
@@ -40,8 +41,8 @@ import tilelang.language as T
 
 from sparse_dsa_ops.layout import QUANT_TILE, KCacheLayout
 
-__all__ = ["AttnGeometry", "DEFAULT_TILES", "head_block", "ws_supported", "ws_block", "build_attn", "build_attn_ws",
-           "build_combine"]
+__all__ = ["AttnGeometry", "DEFAULT_TILES", "head_block", "partial_heads", "ws_supported", "ws_block", "build_attn",
+           "build_attn_ws", "build_combine"]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -103,6 +104,15 @@ def head_block(heads: int) -> int:
     while block < min(heads, MAX_HEAD_BLOCK):
         block *= 2
     return block
+
+
+def partial_heads(heads: int) -> int:
+    """Head rows of a split kernel's partial output: whole head blocks (the heads rounded up to a
+    multiple of :func:`head_block`), so that every block stores its whole tile with no guard (TileLang
+    0.1.15's barrier planner fails on a guarded store in some warp-specialized split kernels); the
+    combine reads the first ``heads`` rows."""
+    block = head_block(heads)
+    return -(-heads // block) * block
 
 
 @T.macro
@@ -173,29 +183,50 @@ def normalize(acc_o, lse, m_i, sumexp, scale2):
 
 
 @T.macro
-def store_rows(out, lse, acc_o, stage, row_lse, t, split_id, h0, col0, heads):
+def store_rows(out, lse, acc_o, stage, row_lse, t, split_id, h0, col0, heads, group=None):
     """Write this block's existing heads ``h0 + h < heads`` of ``acc_o [hb, width]`` to columns
-    ``col0 + d`` of ``out`` and, unless ``lse`` is None, ``row_lse [hb]`` to ``lse``. A split kernel
-    (``split_id`` not None) writes float32 partials straight from the fragment; otherwise the rows are
-    rounded to bf16 in the free shared tile ``stage`` first, for coalesced stores."""
+    ``col0 + d`` of ``out`` and, unless ``lse`` is None, ``row_lse [hb]`` to ``lse``; a split kernel
+    (``split_id`` not None) writes all ``hb`` rows into split ``split_id`` of its partial output, which
+    has whole head blocks (:func:`partial_heads`). The rows are rounded to bf16 in the free shared tile
+    ``stage`` first, for coalesced 16-byte stores: the split kernels' partials too (stored from the
+    fragment in float32, 8 bytes per thread and row, they and the combine's reads of them took ~1.5 us
+    of a GLM decode at T 17 on an H200: BENCHMARKS.md, sixteenth session).
+
+    ``group = (barrier id, threads)`` names the warpgroup of a warp-specialized split kernel that owns
+    ``acc_o``: its partial goes through ``stage`` out of sight of TileLang's barrier planner
+    (``T.address_of``), ordered by a named barrier of its own threads. Through ``T.copy`` the planner
+    failed to lower several of these kernels (a sync "inside a divergent region", e.g. over packed
+    256+0 rows at 100 heads); the kernel orders the stage's earlier readers itself (the consumers
+    store after their last GEMM, the second warpgroup after the first's last score GEMM)."""
     hb, width = acc_o.shape
-    if split_id is not None:
-        for h, d in T.Parallel(hb, width):
-            if h0 + h < heads:
-                out[t, split_id, h0 + h, col0 + d] = acc_o[h, d]
-        if lse is not None:
-            for h in T.Parallel(hb):
-                if h0 + h < heads:
-                    lse[t, split_id, h0 + h] = row_lse[h]
-    else:
+    if group is None:
         T.copy(acc_o, stage)
+    else:
+        for h, d in T.Parallel(hb, width):
+            T.call_extern("handle", "dsa_put_bf16", T.address_of(stage[h, d]), acc_o[h, d])
+        T.call_extern("handle", "dsa_bar_sync", group[0], group[1])
+    if split_id is None:
         for h, d in T.Parallel(hb, width):
             if h0 + h < heads:
                 out[t, h0 + h, col0 + d] = stage[h, d]
-        if lse is not None:
-            for h in T.Parallel(hb):
-                if h0 + h < heads:
+    elif group is None:
+        T.copy(stage, out[t, split_id, h0:h0 + hb, col0:col0 + width])
+    else:
+        per_row = width // 8
+        tx = T.get_thread_binding() % group[1]
+        for i in T.unroll(T.ceildiv(hb * per_row, group[1])):
+            e = i * group[1] + tx
+            h, d = e // per_row, e % per_row * 8
+            if (hb * per_row) % group[1] == 0 or e < hb * per_row:
+                T.call_extern("handle", "dsa_copy16", T.address_of(out[t, split_id, h0 + h, col0 + d]),
+                              T.address_of(stage[h, d]))
+    if lse is not None:
+        for h in T.Parallel(hb):
+            if h0 + h < heads:
+                if split_id is None:
                     lse[t, h0 + h] = row_lse[h]
+                else:
+                    lse[t, split_id, h0 + h] = row_lse[h]
 
 
 @T.macro
@@ -318,7 +349,7 @@ def build_attn(geo: AttnGeometry, *, split: bool, block_i: int = 64, threads: in
             store_rows(out, lse, acc_o, q_s, sum_i, t, by if split else None, h0, 0, heads)  # q_s is free now
 
     if split:
-        out_t = T.Tensor((t_count, n_split, heads, d_v), acc)
+        out_t = T.Tensor((t_count, n_split, partial_heads(heads), d_v), dtype)
         lse_t = T.Tensor((t_count, n_split, heads), acc)
     else:
         out_t = T.Tensor((t_count, heads, d_v), dtype)
@@ -348,47 +379,96 @@ def _entry(geo: AttnGeometry, attend, t_count, s_count, k_count, out_t, lse_t):
 
 
 COMBINE_THREADS = 128
+COMBINE_VEC = 8  # bf16 partial columns a combine thread loads at once (16 bytes)
+# Splits whose partials a combine thread loads before it uses any (per chunk of splits): the loads of a
+# chunk are in flight together, so a decode of up to this many splits reads its partials in one memory
+# round trip. The first combine looped over the splits one load after another (H200: ~2-3.5 us of a
+# GLM decode after the split kernel; BENCHMARKS.md, sixteenth session).
+COMBINE_CHUNK = 16
 
 
 def build_combine(d_v: int, heads: int, pdl: bool = False):
-    """Merge split partials: ``(part_out [T, NS, H, d_v] f32, part_lse [T, NS, H] f32, out [T, H, d_v] bf16,
-    lse [T, H] f32)``; splits with lse -inf weigh nothing, and if all are -inf out is 0 and lse -inf.
-    With ``pdl`` (sm_90 CUDA only) the kernel is launched as a programmatic dependent of the split
-    kernel before it (see :func:`build_attn_ws`) and waits for it to complete before it reads."""
+    """Merge split partials: ``(part_out [T, NS, partial_heads(H), d_v] bf16, part_lse [T, NS, H] f32,
+    out [T, H, d_v] bf16, lse [T, H] f32)``; splits with lse -inf weigh nothing, and if all are -inf out
+    is 0 and lse -inf.
+
+    A head's row takes ``d_v / 8`` threads (several heads per block where that is under a block), each
+    loading 8 columns; a thread loads the LSEs and columns of :data:`COMBINE_CHUNK` splits at once and
+    folds the chunks into a running max (any NS works; splits past NS in the last chunk load nothing and
+    weigh 0). With ``pdl`` (sm_90 CUDA only) the kernel is launched as a programmatic
+    dependent of the split kernel before it (see :func:`build_attn_ws`) and waits for it to complete
+    before it reads."""
+    assert d_v % COMBINE_VEC == 0, "d_v must be a multiple of 8"
     t_count, n_split = T.dynamic("t"), T.dynamic("ns")
-    cols = T.ceildiv(d_v, COMBINE_THREADS)
+    lanes = d_v // COMBINE_VEC  # 16-byte column vectors in a row
+    row_threads = min(lanes, COMBINE_THREADS)
+    vecs = T.ceildiv(lanes, row_threads)  # column vectors per thread
+    per_block = COMBINE_THREADS // row_threads  # heads per block
+    chunk = max(1, COMBINE_CHUNK // vecs)  # keeps a thread's loaded columns at 64 registers or fewer
+    neg_inf = -T.infinity(T.float32)
 
     @T.prim_func
-    def combine(part_out: T.Tensor((t_count, n_split, heads, d_v), T.float32),
+    def combine(part_out: T.Tensor((t_count, n_split, partial_heads(heads), d_v), T.bfloat16),
                 part_lse: T.Tensor((t_count, n_split, heads), T.float32),
                 out: T.Tensor((t_count, heads, d_v), T.bfloat16), lse: T.Tensor((t_count, heads), T.float32)):
-        with T.Kernel(heads, t_count, threads=COMBINE_THREADS) as (h, t):
+        with T.Kernel(T.ceildiv(heads, per_block), t_count, threads=COMBINE_THREADS) as (hx, t):
             if pdl:
                 T.pdl_sync()
             tx = T.get_thread_binding()
-            top = T.alloc_local((1,), T.float32)
-            total = T.alloc_local((1,), T.float32)
-            acc = T.alloc_local((cols,), T.float32)
-            top[0] = -T.infinity(T.float32)
-            for sp in T.serial(n_split):
-                top[0] = T.max(top[0], part_lse[t, sp, h])
+            h = hx * per_block + tx // row_threads
+            lane = tx % row_threads
+            hc = T.min(h, heads - 1)  # threads past the last head (or row) load a real row and store nothing
+            top = T.alloc_local((1,), T.float32)  # running max of the LSEs
+            new_top = T.alloc_local((1,), T.float32)
+            total = T.alloc_local((1,), T.float32)  # sum of exp(lse - top)
+            acc = T.alloc_local((vecs, COMBINE_VEC), T.float32)
+            w = T.alloc_local((chunk,), T.float32)
+            vals = T.alloc_local((chunk, vecs, COMBINE_VEC), T.bfloat16)
+            top[0] = neg_inf
             total[0] = 0.0
-            for c in T.serial(cols):
-                acc[c] = 0.0
-            if top[0] != -T.infinity(T.float32):
-                for sp in T.serial(n_split):
-                    w = T.exp(part_lse[t, sp, h] - top[0])
-                    total[0] = total[0] + w
-                    for c in T.serial(cols):
-                        if c * COMBINE_THREADS + tx < d_v:
-                            acc[c] = acc[c] + w * part_out[t, sp, h, c * COMBINE_THREADS + tx]
-                for c in T.serial(cols):
-                    acc[c] = acc[c] / total[0]
-            for c in T.serial(cols):
-                if c * COMBINE_THREADS + tx < d_v:
-                    out[t, h, c * COMBINE_THREADS + tx] = T.cast(acc[c], T.bfloat16)
-            if tx == 0:
-                lse[t, h] = T.if_then_else(total[0] > 0, top[0] + T.log(total[0]), -T.infinity(T.float32))
+            for c in T.unroll(vecs):
+                for v in T.unroll(COMBINE_VEC):
+                    acc[c, v] = 0.0
+            for ck in T.serial(T.ceildiv(n_split, chunk)):
+                # every load of the chunk first
+                for i in T.unroll(chunk):
+                    sp = ck * chunk + i
+                    w[i] = neg_inf
+                    for c in T.unroll(vecs):
+                        for v in T.unroll(COMBINE_VEC):
+                            vals[i, c, v] = 0.0  # weighs 0: must not be a NaN left in a register
+                    if sp < n_split:
+                        w[i] = part_lse[t, sp, hc]
+                        for c in T.unroll(vecs):
+                            col = T.min((c * row_threads + lane) * COMBINE_VEC, d_v - COMBINE_VEC)
+                            for v in T.vectorized(COMBINE_VEC):
+                                vals[i, c, v] = part_out[t, sp, hc, col + v]
+                new_top[0] = top[0]
+                for i in T.unroll(chunk):
+                    new_top[0] = T.max(new_top[0], w[i])
+                if new_top[0] != neg_inf:  # else every split so far is empty: nothing to add
+                    # exp(-inf - finite) is 0: the first non-empty chunk rescales the empty start to 0
+                    total[0] = total[0] * T.exp(top[0] - new_top[0])
+                    for c in T.unroll(vecs):
+                        for v in T.unroll(COMBINE_VEC):
+                            acc[c, v] = acc[c, v] * T.exp(top[0] - new_top[0])
+                    for i in T.unroll(chunk):
+                        w[i] = T.exp(w[i] - new_top[0])
+                        total[0] = total[0] + w[i]
+                        for c in T.unroll(vecs):
+                            for v in T.unroll(COMBINE_VEC):
+                                acc[c, v] = acc[c, v] + w[i] * T.cast(vals[i, c, v], T.float32)
+                    top[0] = new_top[0]
+            # one reciprocal per row (total is at least 1 unless every split is empty)
+            total[0] = T.if_then_else(top[0] != neg_inf, 1.0 / total[0], 0.0)
+            if h < heads:
+                for c in T.unroll(vecs):
+                    col = (c * row_threads + lane) * COMBINE_VEC
+                    if col < d_v:
+                        for v in T.vectorized(COMBINE_VEC):
+                            out[t, h, col + v] = T.cast(acc[c, v] * total[0], T.bfloat16)
+                if lane == 0:
+                    lse[t, h] = T.if_then_else(top[0] != neg_inf, top[0] - T.log(total[0]), neg_inf)
 
     return combine
 
@@ -499,6 +579,25 @@ __device__ __forceinline__ void dsa_cp_async(void* smem, const void* gmem, bool 
 }
 """
 
+# The split kernels' partial stores (store_rows with a warpgroup): bf16 values into a shared tile, a named
+# barrier of one warpgroup, 16-byte copies to global memory.
+WS_STORE = """
+__device__ __forceinline__ void dsa_put_bf16(void* p, float v) {
+  unsigned short b;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(v));
+  *reinterpret_cast<unsigned short*>(p) = b;
+}
+__device__ __forceinline__ void dsa_bar_sync(int id, int n) {
+  asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ void dsa_copy16(void* dst, const void* src) {
+  *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+}
+"""
+# (named barrier id, threads) of the two consumer warpgroups' partial stores: ids above the few TileLang
+# numbers its own partial syncs with (1-5 in these kernels)
+WS_STORE_BARRIERS = ((14, 128), (15, 128))
+
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory one sm_90 block may use
 # Bytes after each row of a raw FP8 stage (with `quarters` in build_attn_ws): the two rows a quarter
 # warp reads or writes at once then lie on different banks.
@@ -550,7 +649,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
 
     Same arguments as ``build_attn(geo, split=...)``, with ``block_i`` from :func:`ws_block` unless
     given; needs ``ws_supported(geo)``. With ``split`` it is the decode kernel: the grid's second axis
-    splits the top-k blocks and each split writes its normalized float32 partial and LSE for
+    splits the top-k blocks and each split writes its normalized partial (bf16) and LSE (float32) for
     :func:`build_combine` (both launched as programmatic dependents, see ``attend``). The producer loads
     the indices of a top-k block one block ahead and issues every row load of a stage predicated, with
     no branches, so they are in flight together: bf16 rows by cp.async straight into shared memory (the
@@ -911,7 +1010,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
 
     calls_widen = inplace or (staged and not packed)  # (see widen_raw)
     prelude = ((WS_PRELUDE if paired else "") + (WS_COPY if inplace or halves else "")
-               + (WS_WIDEN if calls_widen else "")) or None
+               + (WS_WIDEN if calls_widen else "") + (WS_STORE if split else "")) or None
 
     @T.macro
     def attend(q, kv, indices, topk_length, out, lse):
@@ -1161,7 +1260,8 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                     reciprocal(sum_s, sumexp)  # warpgroup 1 scales its half by it
                     T.barrier_arrive(done)
                     normalize(acc_o, sum_i, m_i, sumexp, scale2)
-                    store_rows(out, lse, acc_o, q_l, sum_i, t, by if split else None, h0, 0, heads)
+                    store_rows(out, lse, acc_o, q_l, sum_i, t, by if split else None, h0, 0, heads,
+                               WS_STORE_BARRIERS[0] if split else None)
             elif tx >= 128 and tx < 256:
                 T.set_max_nreg(nreg[1], 1)
                 stage_q(q, q_l, q_r, qt_s, t, h0, tx, q_ready)
@@ -1242,7 +1342,8 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                     T.barrier_wait(done, 0)
                     for h, d in T.Parallel(hb, half):
                         acc_o_r[h, d] = acc_o_r[h, d] * sum_s[h]
-                    store_rows(out, None, acc_o_r, q_r, None, t, by if split else None, h0, half, heads)
+                    store_rows(out, None, acc_o_r, q_r, None, t, by if split else None, h0, half, heads,
+                               WS_STORE_BARRIERS[1] if split else None)
             elif tx >= 256:
                 T.set_max_nreg(nreg[2], 0)
                 if inplace:
@@ -1313,7 +1414,8 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                                     ready1, free1, pair & 1)
 
     if split:
-        return _entry(geo, attend, t_count, s_count, k_count, T.Tensor((t_count, n_split, heads, d_v), acc),
+        return _entry(geo, attend, t_count, s_count, k_count, T.Tensor((t_count, n_split, partial_heads(heads), d_v),
+                                                                        dtype),
                       T.Tensor((t_count, n_split, heads), acc))
     return _entry(geo, attend, t_count, s_count, k_count, T.Tensor((t_count, heads, d_v), dtype),
                   T.Tensor((t_count, heads), acc))

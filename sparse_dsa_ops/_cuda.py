@@ -278,6 +278,7 @@ class AttnPlan:
 
     keys: tuple  # (prefill,) or (split kernel, combine)
     splits: int
+    partial_heads: int = 0  # head rows of the split kernel's partial output (csrc_tl.sparse_attn.partial_heads)
 
     def __str__(self) -> str:
         if self.splits == 1:
@@ -296,7 +297,9 @@ def plan_attn(kv_kind: str, d_v: int, d_rope: int, heads: int, sm_scale: float, 
         if keys[0].family == "attn_decode_ws":
             splits = plan_splits(tokens, heads, topk, sm_count, WS_SPLIT_BLOCKS)
         if splits > 1:
-            return AttnPlan(tuple(keys), splits)
+            from csrc_tl.sparse_attn import partial_heads
+
+            return AttnPlan(tuple(keys), splits, partial_heads(heads))
     return AttnPlan(tuple(attn_keys(*geo, paths=("prefill",), target=target, q_fp8=q_fp8)), 1)
 
 
@@ -326,7 +329,7 @@ def sparse_attn(q, kv, indices, sm_scale, d_v, topk_length=None):
     if plan.splits == 1:
         kernel(plan.keys[0])(q, pool, idx, *lengths, out, lse)
         return out, lse
-    part_out = torch.empty(t_count, plan.splits, heads, d_v, dtype=torch.float32, device=q.device)
+    part_out = torch.empty(t_count, plan.splits, plan.partial_heads, d_v, dtype=torch.bfloat16, device=q.device)
     part_lse = torch.empty(t_count, plan.splits, heads, dtype=torch.float32, device=q.device)
     kernel(plan.keys[0])(q, pool, idx, *lengths, part_out, part_lse)
     kernel(plan.keys[1])(part_out, part_lse, out, lse)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import sparse_dsa_ops as dsa
+from csrc_tl.sparse_attn import partial_heads
 from sparse_dsa_ops import KCacheLayout, reference
 from tests.oracle import INT_MAX, INT_MIN, hostile_indices, unselected_slots
 
@@ -241,6 +242,46 @@ def run_both(inputs, topk_length=None):
     poison_allocator()
     got = dsa.sparse_attn(*cuda(q, kv, idx), sm_scale, d_v, None if topk_length is None else topk_length.cuda())
     return got, want
+
+
+# (d_v, heads, splits) of the combine: several heads per block (256, 64 wide), one head in a block
+# with a partial second column vector (1088), splits in one chunk, over a chunk and in several chunks
+COMBINE_CASES = [(256, 64, 7), (256, 64, 16), (512, 128, 17), (1088, 3, 40), (64, 5, 1)]
+
+
+@pytest.mark.parametrize("d_v, heads, splits", COMBINE_CASES, ids=[f"dv{d}-h{h}-ns{n}" for d, h, n in COMBINE_CASES])
+def test_combine_against_float64(d_v, heads, splits):
+    # the split partials of 5 tokens: the first split of every token empty, token 1 empty in every split,
+    # token 2 non-empty only in the last split (so the running max starts at -inf chunk after chunk);
+    # NaN in the padding rows of the partial output
+    g = gen(splits)
+    t_count = 5
+    part_lse = torch.randn(t_count, splits, heads, generator=g) * 8
+    padded = partial_heads(heads)
+    part_out = torch.randn(t_count, splits, padded, d_v, generator=g).bfloat16()
+    part_out[:, :, heads:] = math.nan  # the rows of heads past the last one, which the combine never reads
+    empty = torch.zeros(t_count, splits, dtype=torch.bool)
+    empty[:, 0] = True
+    empty[1] = True
+    empty[2, :-1] = True
+    part_lse[empty] = -math.inf
+    part_out[empty] = 0  # what a split kernel writes for a split without a valid entry
+    top = part_lse.double().amax(dim=1, keepdim=True)  # [T, 1, H]
+    weight = torch.exp(part_lse.double() - top.nan_to_num(neginf=0)).nan_to_num()  # [T, NS, H]
+    total = weight.sum(dim=1)  # [T, H]
+    want_out = (weight[..., None] * part_out[:, :, :heads].double()).sum(dim=1) / total.clamp_min(1e-300)[..., None]
+    want_lse = torch.where(total > 0, top[:, 0] + total.log(), -math.inf)
+    key = dsa._cuda.KernelKey("combine", (d_v, heads))
+    dsa._cuda.warmup([key], progress=False)
+    poison_allocator()
+    out = torch.empty(t_count, heads, d_v, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(t_count, heads, device="cuda")
+    dsa._cuda.kernel(key)(part_out.cuda(), part_lse.cuda(), out, lse)
+    out, lse = out.cpu(), lse.cpu()
+    assert torch.equal(lse.isinf(), want_lse.isinf()) and not lse.isnan().any()
+    assert (out[1] == 0).all() and (lse[1] == -math.inf).all()
+    assert torch.allclose(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(out.double(), want_out, rtol=2**-7, atol=1e-6)  # one rounding to bf16
 
 
 @pytest.mark.parametrize("kind", ["bf16", "packed", "fp8"])

@@ -126,6 +126,17 @@ def test_attention_sources(name, kind, target):
         assert "if (((pair * 2) + 1) <" in split and "if (((pair * 2) + 1) <" not in prefill
     combine = kernel_body(source(keys[-1], target))
     assert "combine_kernel" in combine
+    # the combine loads the partials of a chunk of splits before it uses any (one memory round trip for
+    # up to COMBINE_CHUNK splits; one load after another took ~1 us more of a GLM decode on an H200);
+    # the split kernel stores them as bf16 through shared memory, and the combine reads 16-byte vectors
+    chunk = combine[combine.index("for (int ck"):]
+    assert chunk.index("expf(") > max(chunk.rindex("part_out +"), chunk.rindex("part_lse["))
+    split_body = kernel_body(source(keys[1], target))
+    if target == "cuda":
+        assert "*(uint4*)(vals + " in chunk and re.search(r"const bfloat16_t\* (__restrict__ )?part_out", combine)
+        # (a warp-specialized split kernel copies the partial out of its shared tile by dsa_copy16, a
+        # portable one by TMA)
+        assert ("dsa_copy16((&(out[" if ws else "tma_store(out_desc") in split_body
     if ws:
         assert "pdl" in keys[-1].flags
         assert combine.index("cudaGridDependencySynchronize();") < combine.index("part_lse[")
