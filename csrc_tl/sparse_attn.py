@@ -108,9 +108,8 @@ def head_block(heads: int) -> int:
 
 def partial_heads(heads: int) -> int:
     """Head rows of a split kernel's partial output: whole head blocks (the heads rounded up to a
-    multiple of :func:`head_block`), so that every block stores its whole tile with no guard (TileLang
-    0.1.15's barrier planner fails on a guarded store in some warp-specialized split kernels); the
-    combine reads the first ``heads`` rows."""
+    multiple of :func:`head_block`), so that every block stores its whole tile unguarded (the portable
+    split kernel in one tile copy, a TMA store on CUDA); the combine reads the first ``heads`` rows."""
     block = head_block(heads)
     return -(-heads // block) * block
 

@@ -137,6 +137,11 @@ def test_attention_sources(name, kind, target):
         # (a warp-specialized split kernel copies the partial out of its shared tile by dsa_copy16, a
         # portable one by TMA)
         assert ("dsa_copy16((&(out[" if ws else "tma_store(out_desc") in split_body
+        if ws:
+            # the consumer warpgroups order their partial stores by named barriers 14 and 15, which none
+            # of TileLang's own syncs takes
+            assert "dsa_bar_sync(14, 128);" in split_body and "dsa_bar_sync(15, 128);" in split_body
+            assert not re.search(r"__sync_thread_partial\((14|15),", split_body)
     if ws:
         assert "pdl" in keys[-1].flags
         assert combine.index("cudaGridDependencySynchronize();") < combine.index("part_lse[")
