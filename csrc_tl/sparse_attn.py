@@ -396,7 +396,8 @@ def build_combine(d_v: int, heads: int, pdl: bool = False):
     folds the chunks into a running max (any NS works; splits past NS in the last chunk load nothing and
     weigh 0). With ``pdl`` (sm_90 CUDA only) the kernel is launched as a programmatic
     dependent of the split kernel before it (see :func:`build_attn_ws`) and waits for it to complete
-    before it reads."""
+    before it reads; then it lets the kernel after it launch (a programmatic dependent must wait
+    likewise before it reads this one's output; kernels launched plainly wait for completion anyway)."""
     assert d_v % COMBINE_VEC == 0, "d_v must be a multiple of 8"
     t_count, n_split = T.dynamic("t"), T.dynamic("ns")
     lanes = d_v // COMBINE_VEC  # 16-byte column vectors in a row
@@ -413,6 +414,11 @@ def build_combine(d_v: int, heads: int, pdl: bool = False):
         with T.Kernel(T.ceildiv(heads, per_block), t_count, threads=COMBINE_THREADS) as (hx, t):
             if pdl:
                 T.pdl_sync()
+                # the kernel after this one may launch now (the next decode's split kernel, which waits
+                # for this one's completion and memory before it reads anything). Measured (H200,
+                # BENCHMARKS.md, eighteenth session, with the split kernel's trigger after its stores):
+                # GLM packed decode T 17 14.5-14.7 against 14.8-15.2 us, T 1 8.0-8.2 against 8.3-8.5
+                T.pdl_trigger()
             tx = T.get_thread_binding()
             h = hx * per_block + tx // row_threads
             lane = tx % row_threads
@@ -1018,11 +1024,10 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
             if split:
                 # Programmatic dependent launch (decode, where launches are a large part of the time):
                 # this kernel may start while the kernel before it in the stream finishes, and waits
-                # for it (and its memory) before it touches global memory; then it lets the combine
-                # after it launch at once, which waits the same way, so that launch overlaps this
-                # kernel instead of following it.
+                # for it (and its memory) before it touches global memory. Warpgroup 0 lets the
+                # combine launch once it has stored its partial (below), and the combine waits the same
+                # way, so that launch overlaps this kernel's end instead of following it.
                 T.pdl_sync()
-                T.pdl_trigger()
             q_l = T.alloc_shared((hb, half), dtype)
             q_r = T.alloc_shared((hb, half), dtype)
             kv_l0 = T.alloc_shared((block_i, half), dtype)
@@ -1261,6 +1266,12 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                     normalize(acc_o, sum_i, m_i, sumexp, scale2)
                     store_rows(out, lse, acc_o, q_l, sum_i, t, by if split else None, h0, 0, heads,
                                WS_STORE_BARRIERS[0] if split else None)
+                    if split:
+                        # the combine may launch now (the first thread's trigger counts for the CTA).
+                        # Measured (H200, BENCHMARKS.md, eighteenth session, both with the combine's own
+                        # trigger): GLM packed decode T 17 14.5-14.7 us against 14.7-14.9 with the trigger
+                        # at this kernel's start
+                        T.pdl_trigger()
             elif tx >= 128 and tx < 256:
                 T.set_max_nreg(nreg[1], 1)
                 stage_q(q, q_l, q_r, qt_s, t, h0, tx, q_ready)

@@ -114,13 +114,17 @@ def test_attention_sources(name, kind, target):
             for buf in ("q_l", "q_r"):
                 assert not re.search(rf"\(\(bfloat16_t\*\){buf}\)\[[^;]*\] = q\[", body)
         # Programmatic dependent launch: the split kernel waits for the kernel before it ahead of any
-        # global access (every role starts after the wait) and lets the combine launch at once; the
-        # combine waits before it reads the partials. The prefill kernel is launched plainly.
+        # global access (every role starts after the wait) and lets the combine launch once consumer
+        # warpgroup 0 has stored its partial (its role's last act); the combine waits before it reads
+        # the partials and then lets the next kernel launch. The prefill kernel is launched plainly.
         prefill, split = (kernel_body(source(key, target)) for key in keys[:2])
-        assert "cudaGridDependencySynchronize" not in prefill
+        assert "cudaGridDependencySynchronize" not in prefill and "cudaTrigger" not in prefill
         wait = split.index("cudaGridDependencySynchronize();")
-        assert wait < split.index("cudaTriggerProgrammaticLaunchCompletion();") < split.index("warpgroup_reg_")
+        assert wait < split.index("warpgroup_reg_")
         assert not re.search(r"\b(q|indices|kv|out|lse|words|values|tails)\[", split[:wait])
+        role0 = re.split(r"warpgroup_reg_(?:alloc|dealloc)<\d+>", split)[1]
+        assert split.count("cudaTriggerProgrammaticLaunchCompletion();") == 1
+        assert role0.index("cudaTriggerProgrammaticLaunchCompletion();") > role0.rindex("dsa_copy16((&(out[")
         # a split kernel walks exactly its top-k blocks: its producer skips the second block of a last
         # odd pair (no padding block); a prefill kernel walks whole pairs
         assert "if (((pair * 2) + 1) <" in split and "if (((pair * 2) + 1) <" not in prefill
@@ -144,7 +148,8 @@ def test_attention_sources(name, kind, target):
             assert not re.search(r"__sync_thread_partial\((14|15),", split_body)
     if ws:
         assert "pdl" in keys[-1].flags
-        assert combine.index("cudaGridDependencySynchronize();") < combine.index("part_lse[")
+        assert (combine.index("cudaGridDependencySynchronize();") < combine.index("cudaTriggerProgrammaticLaunchCompletion();")
+                < combine.index("part_lse["))
     else:  # HIP, or a portable split kernel: plain launches
         assert "pdl" not in keys[-1].flags and "GridDependency" not in combine
 
