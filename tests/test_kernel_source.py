@@ -148,8 +148,8 @@ def test_attention_sources(name, kind, target):
             assert not re.search(r"__sync_thread_partial\((14|15),", split_body)
     if ws:
         assert "pdl" in keys[-1].flags
-        assert (combine.index("cudaGridDependencySynchronize();") < combine.index("cudaTriggerProgrammaticLaunchCompletion();")
-                < combine.index("part_lse["))
+        trigger = combine.index("cudaTriggerProgrammaticLaunchCompletion();")
+        assert combine.index("cudaGridDependencySynchronize();") < trigger < combine.index("part_lse[")
     else:  # HIP, or a portable split kernel: plain launches
         assert "pdl" not in keys[-1].flags and "GridDependency" not in combine
 
