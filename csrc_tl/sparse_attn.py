@@ -481,7 +481,8 @@ def build_combine(d_v: int, heads: int, pdl: bool = False):
 # setmaxnreg budgets per thread (consumer warpgroup 0, consumer warpgroup 1, each producer
 # warpgroup), by consumer scheme (see build_attn_ws) and producer count. They must fit the registers
 # the CTA launched with: 3 x 168 with one producer (a request beyond that hangs the kernel), 4 x 128
-# with two.
+# with two; the consumers' budgets are increases from the launch count and the producers' decreases
+# (a consumer budget below it is an illegal instruction: H200, eighteenth session).
 WS_NREG = {("paired", 1): (208, 224, 72), ("single", 1): (240, 168, 80), ("single", 2): (208, 144, 80)}
 WS_THREADS_PER_ROW = 8
 
@@ -707,6 +708,9 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
     scheme = ("paired" if paired else "single", n_prod)
     assert nreg is not None or scheme in WS_NREG, f"no register budgets for {scheme}; pass nreg"
     nreg = WS_NREG[scheme] if nreg is None else nreg
+    launch = 65536 // (128 * (2 + n_prod)) // 8 * 8  # registers a thread of the CTA launches with
+    assert nreg[0] >= launch and nreg[1] >= launch and nreg[2] <= launch, f"budgets {nreg} against {launch}"
+    assert nreg[0] + nreg[1] + n_prod * nreg[2] <= (2 + n_prod) * launch, f"budgets {nreg} exceed the CTA's"
     rows_per_pass = 128 * n_prod // WS_THREADS_PER_ROW  # rows the producer threads fill at once
 
     # which producer threads share a row (see ws_row_lane). Measured (H200, BENCHMARKS.md, twelfth

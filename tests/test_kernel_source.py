@@ -317,7 +317,8 @@ def test_paired_consumers(name, kind, path, paired, halves):
 
 
 def test_register_budgets_fit_the_launch():
-    # setmaxnreg requests beyond the registers the CTA launched with hang the kernel
+    # setmaxnreg requests beyond the registers the CTA launched with hang the kernel; the consumers'
+    # raise their budgets from the launch count and the producers' lower them
     from csrc_tl.sparse_attn import WS_NREG
 
     for (_, producers), (first, second, producer) in WS_NREG.items():
@@ -325,6 +326,20 @@ def test_register_budgets_fit_the_launch():
         launch = 65536 // (128 * warpgroups) // 8 * 8
         assert all(r % 8 == 0 and 24 <= r <= 256 for r in (first, second, producer))
         assert first + second + producers * producer <= warpgroups * launch
+        assert min(first, second) >= launch >= producer
+
+
+@pytest.mark.parametrize("nreg", [(232, 160, 112), (240, 168, 104), (160, 200, 80)])
+def test_ws_register_budgets_must_fit_the_launch(nreg):
+    # a CTA of 384 threads launches with 168 registers a thread: setmaxnreg raises the consumers' budgets
+    # from there and lowers the producer's, so a consumer budget under 168 is an illegal instruction and
+    # a total over 3 x 168 hangs the kernel (both seen on an H200); the builder refuses them
+    from csrc_tl.sparse_attn import AttnGeometry, build_attn_ws
+
+    geo = AttnGeometry(512, 64, 128, "packed", False, 576**-0.5)
+    with pytest.raises(AssertionError, match="budgets"):
+        build_attn_ws(geo, nreg=nreg)
+    build_attn_ws(geo, nreg=(208, 168, 128))  # an accepted one builds
 
 
 @pytest.mark.parametrize("quarters", [False, True])
@@ -345,3 +360,4 @@ def test_producer_rows_and_lanes(quarters):
                 chunk = 2 * lane + half  # 16-byte chunk of the row's 128 bf16 values
                 groups.add(chunk % 8 ^ row % 8)  # its place in a 128-byte swizzle atom
             assert len(groups) == (8 if quarters else 4)
+
