@@ -317,7 +317,7 @@ def test_paired_consumers(name, kind, path, paired, halves):
 
 
 def test_register_budgets_fit_the_launch():
-    # setmaxnreg requests beyond the registers the CTA launched with hang the kernel; the consumers'
+    # setmaxnreg requests beyond the registers the CTA launched with hang the kernel; the consumers
     # raise their budgets from the launch count and the producers' lower them
     from csrc_tl.sparse_attn import WS_NREG
 
@@ -360,4 +360,3 @@ def test_producer_rows_and_lanes(quarters):
                 chunk = 2 * lane + half  # 16-byte chunk of the row's 128 bf16 values
                 groups.add(chunk % 8 ^ row % 8)  # its place in a 128-byte swizzle atom
             assert len(groups) == (8 if quarters else 4)
-
