@@ -352,6 +352,32 @@ def test_graph_replay_on_new_data(t_count):
         check_attn((out, lse), reference.sparse_attn(new[0], new[1], new[2], s, d_v, lengths.cpu()))
 
 
+@pytest.mark.parametrize("kind", ["bf16", "packed"])
+@pytest.mark.parametrize("t_count", [1, 17])
+def test_chained_decodes_in_a_graph(kind, t_count):
+    # Two GLM decodes back to back, the second taking the first's output as its q (d_qk = d_v = 256):
+    # on sm_90 the second's split kernel is a programmatic dependent of the first's combine, which lets
+    # it launch before the combine has finished, so it must wait for that combine before it reads q
+    inputs = attn_inputs(GLM, kind, t_count, 2112, seed=21, pad_from=2051)
+    q, kv, idx = cuda(*inputs[:3])
+    s, d_v = inputs[3:]
+
+    def two_layers():
+        first = dsa.sparse_attn(q, kv, idx, s, d_v)
+        return first, dsa.sparse_attn(first[0], kv, idx, s, d_v)
+
+    two_layers()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        (out1, _), (out2, lse2) = two_layers()
+    for seed in (22, 23):
+        q.copy_(attn_inputs(GLM, kind, t_count, 2112, seed=seed)[0])  # a new q; the same pool and indices
+        graph.replay()
+        (e1, _), (e2, el2) = two_layers()
+        assert torch.equal(out1, e1) and torch.equal(out2, e2) and torch.equal(lse2, el2)
+        check_attn((out2, lse2), reference.sparse_attn(e1.cpu(), inputs[1], inputs[2], s, d_v))
+
+
 def test_torch_compile_decode_step():
     lay = KCacheLayout(256, 0)
     pool = reference.quant_k_cache(torch.randn(1024, 256).bfloat16(), None).cuda()
