@@ -484,6 +484,17 @@ def build_combine(d_v: int, heads: int, pdl: bool = False):
 # with two; the consumers' budgets are increases from the launch count and the producers' decreases
 # (a consumer budget below it is an illegal instruction: H200, eighteenth session).
 WS_NREG = {("paired", 1): (208, 224, 72), ("single", 1): (240, 168, 80), ("single", 2): (208, 144, 80)}
+
+
+def check_ws_nreg(nreg: tuple[int, int, int], producers: int) -> None:
+    """Assert that setmaxnreg budgets ``nreg`` (see :data:`WS_NREG`) fit a CTA of two consumer
+    warpgroups and ``producers`` producer warpgroups: each a multiple of 8 in [24, 256], the consumers'
+    at least and the producers' at most the registers a thread launches with, and their total within
+    the CTA's."""
+    launch = 65536 // (128 * (2 + producers)) // 8 * 8  # registers a thread of the CTA launches with
+    assert all(r % 8 == 0 and 24 <= r <= 256 for r in nreg), f"budgets {nreg}: multiples of 8 in [24, 256]"
+    assert nreg[0] >= launch and nreg[1] >= launch and nreg[2] <= launch, f"budgets {nreg} against {launch}"
+    assert nreg[0] + nreg[1] + producers * nreg[2] <= (2 + producers) * launch, f"budgets {nreg} exceed the CTA's"
 WS_THREADS_PER_ROW = 8
 
 
@@ -708,9 +719,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
     scheme = ("paired" if paired else "single", n_prod)
     assert nreg is not None or scheme in WS_NREG, f"no register budgets for {scheme}; pass nreg"
     nreg = WS_NREG[scheme] if nreg is None else nreg
-    launch = 65536 // (128 * (2 + n_prod)) // 8 * 8  # registers a thread of the CTA launches with
-    assert nreg[0] >= launch and nreg[1] >= launch and nreg[2] <= launch, f"budgets {nreg} against {launch}"
-    assert nreg[0] + nreg[1] + n_prod * nreg[2] <= (2 + n_prod) * launch, f"budgets {nreg} exceed the CTA's"
+    check_ws_nreg(nreg, n_prod)
     rows_per_pass = 128 * n_prod // WS_THREADS_PER_ROW  # rows the producer threads fill at once
 
     # which producer threads share a row (see ws_row_lane). Measured (H200, BENCHMARKS.md, twelfth
