@@ -13,13 +13,15 @@ Shapes (T tokens, H heads, K top-k entries, S pool rows, NS splits; all dynamic 
 ``q [T, H, d_qk]`` bf16 or float8_e4m3fn, ``kv [S, d_qk]`` bf16 or float8_e4m3fn (raw values) or packed
 ``[S, B] uint8``, ``indices [T, K] int32``
 (K a multiple of ``block_i``), optional ``topk_length [T] int32``; prefill writes
-``out [T, H, d_v] bf16`` and ``lse [T, H] float32``, decode writes ``part_out [T, NS, partial_heads(H), d_v] bf16``
+``out [T, H, d_v] bf16`` and ``lse [T, H] float32``, decode writes ``part_out [T, NS, P, d_v] bf16`` (P =
+:func:`partial_heads`: H rounded up to whole head blocks)
 (normalized partials: their rounding adds at most one bf16 rounding, 2^-9 relative, to the merged
 output, which the combine rounds once more) and ``part_lse [T, NS, H] float32``.
 
 With ``d_rope == 0`` the tail is compiled out: no tail buffers, copies or GEMMs exist.
 
-On Hopper, :func:`build_attn_ws` builds the same two paths warp-specialized (for 64-head blocks): a
+On Hopper, :func:`build_attn_ws` builds the same two paths warp-specialized, over blocks of 64 heads
+(fewer heads are padded with zero rows of q, whose results are never stored): a
 producer warpgroup gathers the next top-k block into one of two shared stages while warpgroup 0
 runs the score GEMMs, the softmax and the left half of PV and warpgroup 1 the right half of PV;
 for the prefill of bf16 rows the two consumer warpgroups instead score the two blocks of a pair side
@@ -106,11 +108,11 @@ def head_block(heads: int) -> int:
     return block
 
 
-def partial_heads(heads: int) -> int:
+def partial_heads(heads: int, ws: bool) -> int:
     """Head rows of a split kernel's partial output: whole head blocks (the heads rounded up to a
-    multiple of :func:`head_block`), so that every block stores its whole tile unguarded (the portable
-    split kernel in one tile copy, a TMA store on CUDA); the combine reads the first ``heads`` rows."""
-    block = head_block(heads)
+    multiple of :func:`head_block`, or of 64 for the warp-specialized kernel ``ws``), so that every
+    block stores its whole tile unguarded; the combine reads the first ``heads`` rows."""
+    block = MAX_HEAD_BLOCK if ws else head_block(heads)
     return -(-heads // block) * block
 
 
@@ -244,11 +246,15 @@ def load_q(q, dst, t, h0, col0, heads, tid, nthreads):
 
 
 def ws_supported(geo: AttnGeometry) -> bool:
-    """Whether :func:`build_attn_ws` handles ``geo`` (it also needs an sm_90 CUDA target)."""
+    """Whether :func:`build_attn_ws` handles ``geo`` (it also needs an sm_90 CUDA target). Any head
+    count: under 64 heads (tensor-parallel shards: 8 or 16 heads) the block is padded with zero rows of
+    q, and the kernel still takes the time of a 64-head block, which its producer's per-row gather and
+    widening bound, not the GEMMs; the portable kernels over 8- or 16-head blocks took 1.1-3.7 times as
+    long (H200, BENCHMARKS.md, nineteenth session)."""
     # each half of a row takes whole 16-byte chunks of the eight threads of a row: 2 x 8 x 8 bf16
     # values or 2 x 8 x 16 FP8 values (a narrower FP8 row would leave the producer nothing to do)
     width = 128 if geo.kv_kind == "bf16" else 256
-    return head_block(geo.heads) == MAX_HEAD_BLOCK and geo.d_v % width == 0 and geo.d_rope in (0, 64)
+    return geo.d_v % width == 0 and geo.d_rope in (0, 64)
 
 
 def build_attn(geo: AttnGeometry, *, split: bool, block_i: int = 64, threads: int = 256, num_stages: int = 2):
@@ -348,7 +354,7 @@ def build_attn(geo: AttnGeometry, *, split: bool, block_i: int = 64, threads: in
             store_rows(out, lse, acc_o, q_s, sum_i, t, by if split else None, h0, 0, heads)  # q_s is free now
 
     if split:
-        out_t = T.Tensor((t_count, n_split, partial_heads(heads), d_v), dtype)
+        out_t = T.Tensor((t_count, n_split, partial_heads(heads, ws=False), d_v), dtype)
         lse_t = T.Tensor((t_count, n_split, heads), acc)
     else:
         out_t = T.Tensor((t_count, heads, d_v), dtype)
@@ -386,8 +392,8 @@ COMBINE_VEC = 8  # bf16 partial columns a combine thread loads at once (16 bytes
 COMBINE_CHUNK = 16
 
 
-def build_combine(d_v: int, heads: int, pdl: bool = False):
-    """Merge split partials: ``(part_out [T, NS, partial_heads(H), d_v] bf16, part_lse [T, NS, H] f32,
+def build_combine(d_v: int, heads: int, part_heads: int, pdl: bool = False):
+    """Merge split partials: ``(part_out [T, NS, part_heads, d_v] bf16, part_lse [T, NS, H] f32,
     out [T, H, d_v] bf16, lse [T, H] f32)``; splits with lse -inf weigh nothing, and if all are -inf out
     is 0 and lse -inf.
 
@@ -399,6 +405,7 @@ def build_combine(d_v: int, heads: int, pdl: bool = False):
     before it reads; then it lets the kernel after it launch (a programmatic dependent must wait
     likewise before it reads this one's output; kernels launched plainly wait for completion anyway)."""
     assert d_v % COMBINE_VEC == 0, "d_v must be a multiple of 8"
+    assert part_heads >= heads
     t_count, n_split = T.dynamic("t"), T.dynamic("ns")
     lanes = d_v // COMBINE_VEC  # 16-byte column vectors in a row
     row_threads = min(lanes, COMBINE_THREADS)
@@ -408,7 +415,7 @@ def build_combine(d_v: int, heads: int, pdl: bool = False):
     neg_inf = -T.infinity(T.float32)
 
     @T.prim_func
-    def combine(part_out: T.Tensor((t_count, n_split, partial_heads(heads), d_v), T.bfloat16),
+    def combine(part_out: T.Tensor((t_count, n_split, part_heads, d_v), T.bfloat16),
                 part_lse: T.Tensor((t_count, n_split, heads), T.float32),
                 out: T.Tensor((t_count, heads, d_v), T.bfloat16), lse: T.Tensor((t_count, heads), T.float32)):
         with T.Kernel(T.ceildiv(heads, per_block), t_count, threads=COMBINE_THREADS) as (hx, t):
@@ -677,7 +684,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
     they weigh 0. ``producers`` (1 or 2 warpgroups) defaults to 2 for staged rows, else 1.
     """
     geo.check()
-    assert ws_supported(geo), "needs 64 heads per block, d_v a multiple of 128 (256 for FP8 rows), d_rope 0 or 64"
+    assert ws_supported(geo), "needs d_v a multiple of 128 (256 for FP8 rows), d_rope 0 or 64"
     block_i = ws_block(geo, split) if block_i is None else block_i
     assert block_i == 64 or not split, "a split kernel works on 64-row blocks"
     d_v, d_tail, heads = geo.d_v, geo.d_rope, geo.heads
@@ -1437,8 +1444,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                                     ready1, free1, pair & 1)
 
     if split:
-        return _entry(geo, attend, t_count, s_count, k_count, T.Tensor((t_count, n_split, partial_heads(heads), d_v),
-                                                                        dtype),
-                      T.Tensor((t_count, n_split, heads), acc))
+        part_t = T.Tensor((t_count, n_split, partial_heads(heads, ws=True), d_v), dtype)
+        return _entry(geo, attend, t_count, s_count, k_count, part_t, T.Tensor((t_count, n_split, heads), acc))
     return _entry(geo, attend, t_count, s_count, k_count, T.Tensor((t_count, heads, d_v), dtype),
                   T.Tensor((t_count, heads), acc))

@@ -309,6 +309,13 @@ def bench_cases() -> list[dict]:
         _attn_case("prefill glm fp8 T4096 S8192 H64 k2048", "fp8", 256, 0, 64, 4096, 8192, 2048),
         _attn_case("decode glm fp8 T1 S65536 H64 k2048", "fp8", 256, 0, 64, 1, 65536, 2048),
         _attn_case("decode glm fp8 T17 S65536 H64 k2112", "fp8", 256, 0, 64, 17, 65536, 2112),
+        # tensor-parallel shards: DeepSeek over 8 GPUs has 16 heads per GPU, GLM 8
+        _attn_case("prefill deepseek bf16 T4096 S8192 H16 k2048", "bf16", 512, 64, 16, 4096, 8192, 2048),
+        _attn_case("decode deepseek packed T1 S65536 H16 k2048", "packed", 512, 64, 16, 1, 65536, 2048),
+        _attn_case("decode deepseek packed T256 S65536 H16 k2048", "packed", 512, 64, 16, 256, 65536, 2048),
+        _attn_case("prefill glm packed T4096 S8192 H8 k2048", "packed", 256, 0, 8, 4096, 8192, 2048),
+        _attn_case("decode glm packed T1 S65536 H8 k2048", "packed", 256, 0, 8, 1, 65536, 2048),
+        _attn_case("decode glm packed T17 S65536 H8 k2112", "packed", 256, 0, 8, 17, 65536, 2112),
     ]
     for geo, (d_nope, d_rope, _) in GEOMETRIES.items():
         for op in CACHE_OPS:

@@ -33,7 +33,7 @@ class KernelKey:
     """One compiled kernel: ``family`` names the builder, ``spec`` is its frozen geometry record."""
 
     family: str  # quant | store | dequant | gather_dequant | gather | attn_prefill(_ws) | attn_decode(_ws) | combine
-    spec: object  # KCacheLayout, csrc_tl.sparse_attn.AttnGeometry or (d_v, heads)
+    spec: object  # KCacheLayout, csrc_tl.sparse_attn.AttnGeometry or (d_v, heads, partial head rows)
     flags: tuple = ()  # family-specific: round_scale, slot dtype; "pdl" for a combine launched as a dependent
 
     @property
@@ -84,10 +84,10 @@ def attn_keys(kv_kind: str, d_v: int, d_rope: int, heads: int, sm_scale: float, 
     """The kernels ``sparse_attn`` runs for one geometry on ``target`` (default: this machine's), in
     this order: the prefill kernel; the split decode kernels; the decode's combine (last).
 
-    Where the geometry allows on sm_90 CUDA, prefill and split decode are warp-specialized, else
-    both are the portable kernels. ``kv_kind`` is "bf16", "fp8" or "packed"; ``q_fp8`` picks the
-    kernels for a float8_e4m3fn q."""
-    from csrc_tl.sparse_attn import AttnGeometry, ws_supported
+    Where the geometry allows on sm_90 CUDA (any head count), prefill and split decode are
+    warp-specialized, else both are the portable kernels. ``kv_kind`` is "bf16", "fp8" or "packed";
+    ``q_fp8`` picks the kernels for a float8_e4m3fn q."""
+    from csrc_tl.sparse_attn import AttnGeometry, partial_heads, ws_supported
 
     geo = AttnGeometry(d_v, d_rope, heads, kv_kind, has_topk_length, float(sm_scale), q_fp8)
     geo.check()
@@ -99,7 +99,7 @@ def attn_keys(kv_kind: str, d_v: int, d_rope: int, heads: int, sm_scale: float, 
     if "decode" in paths:
         keys.append(KernelKey("attn_decode_ws" if ws else "attn_decode", geo))
         # after a warp-specialized split kernel the combine is its programmatic dependent (sm_90)
-        keys.append(KernelKey("combine", (d_v, heads), ("pdl",) if ws else ()))
+        keys.append(KernelKey("combine", (d_v, heads, partial_heads(heads, ws)), ("pdl",) if ws else ()))
     return keys
 
 
@@ -257,7 +257,9 @@ def plan_splits(tokens: int, heads: int, topk: int, sm_count: int, min_blocks: i
     blocks doubles the time) while every split keeps at least ``min_blocks`` top-k blocks; then the
     fewest splits with as few blocks per split. GLM decode T 17 (33 blocks) takes 7 splits of 5 blocks
     (the last one 3): the split kernels walk no padding block (H200: 18.1 against 18.8 us over packed
-    rows for 6 splits of 3 pairs; BENCHMARKS.md, eleventh session)."""
+    rows for 6 splits of 3 pairs; BENCHMARKS.md, eleventh session). (Head blocks are counted the same
+    for the portable kernels and for the warp-specialized ones, whose blocks are always 64 heads: both
+    give one block per token up to 32 heads and 64-head blocks above.)"""
     from csrc_tl.sparse_attn import head_block
 
     blocks = tokens * math.ceil(heads / head_block(heads))
@@ -278,7 +280,7 @@ class AttnPlan:
 
     keys: tuple  # (prefill,) or (split kernel, combine)
     splits: int
-    partial_heads: int = 0  # head rows of the split kernel's partial output (csrc_tl.sparse_attn.partial_heads)
+    partial_heads: int = 0  # head rows of the split kernel's partial output (the combine's spec[2])
 
     def __str__(self) -> str:
         if self.splits == 1:
@@ -291,15 +293,11 @@ def plan_attn(kv_kind: str, d_v: int, d_rope: int, heads: int, sm_scale: float, 
               tokens: int, topk: int, sm_count: int, target: str | None = None) -> AttnPlan:
     """The kernels and split count for one call (``target`` as in :func:`attn_keys`)."""
     geo = (kv_kind, d_v, d_rope, heads, sm_scale, has_topk_length)
-    splits = plan_splits(tokens, heads, topk, sm_count)
+    keys = attn_keys(*geo, paths=("decode",), target=target, q_fp8=q_fp8)  # split kernel, combine
+    ws = keys[0].family == "attn_decode_ws"
+    splits = plan_splits(tokens, heads, topk, sm_count, WS_SPLIT_BLOCKS if ws else 1)
     if splits > 1:
-        keys = attn_keys(*geo, paths=("decode",), target=target, q_fp8=q_fp8)  # split kernel, combine
-        if keys[0].family == "attn_decode_ws":
-            splits = plan_splits(tokens, heads, topk, sm_count, WS_SPLIT_BLOCKS)
-        if splits > 1:
-            from csrc_tl.sparse_attn import partial_heads
-
-            return AttnPlan(tuple(keys), splits, partial_heads(heads))
+        return AttnPlan(tuple(keys), splits, keys[1].spec[2])
     return AttnPlan(tuple(attn_keys(*geo, paths=("prefill",), target=target, q_fp8=q_fp8)), 1)
 
 

@@ -21,12 +21,17 @@ LAYOUTS = [KCacheLayout(512, 64), KCacheLayout(256, 0), KCacheLayout(512, 0), KC
 # (d_v, d_rope, heads) of the attention cases; sm_scale is d_qk ** -0.5 for each
 GLM, DEEPSEEK = (256, 0, 64), (512, 64, 128)
 # 256+64 at 64 heads: the 392-byte packed row, whose tails are only 8-byte aligned, through the
-# warp-specialized kernels that stage FP8 rows raw
-ATTN_GEOS = [GLM, DEEPSEEK, (512, 64, 16), (256, 64, 64), (256, 0, 1), (256, 0, 8), (256, 0, 16), (256, 0, 128)]
+# warp-specialized kernels that stage FP8 rows raw. Under 64 heads the warp-specialized kernels pad
+# their head block on sm_90; the portable kernels run there for FP8 rows of 384 (not whole 16-value
+# chunks per producer thread) and bf16 rows of 192 + 64
+ATTN_GEOS = [GLM, DEEPSEEK, (512, 64, 16), (256, 64, 64), (256, 0, 1), (256, 0, 8), (256, 0, 16), (256, 0, 128),
+             (384, 0, 16), (192, 64, 8)]
 # kv kinds: "fp8" is native float8_e4m3fn kv with float8 q, "fp8-kv" the same kv with bf16 q, "packed-q8"
 # a packed pool with float8 q
 ALL_KINDS = ("bf16", "packed", "fp8", "fp8-kv", "packed-q8")
-ATTN_KINDS = {geo: ALL_KINDS if geo in (GLM, DEEPSEEK) else ("bf16", "packed", "fp8") if geo[1] == 64
+# (packed rows at 8 heads: GLM's tensor-parallel shard of 8)
+ATTN_KINDS = {geo: ALL_KINDS if geo in (GLM, DEEPSEEK) else ("bf16",) if geo[0] % 128
+              else ("bf16", "packed", "fp8") if geo[1] == 64 or geo[0] == 384 or geo == (256, 0, 8)
               else ("bf16", "fp8") for geo in ATTN_GEOS}
 ATTN_CASES = [(geo, kind) for geo in ATTN_GEOS for kind in ATTN_KINDS[geo]]
 
@@ -244,20 +249,23 @@ def run_both(inputs, topk_length=None):
     return got, want
 
 
-# (d_v, heads, splits) of the combine: several heads per block (256, 64 wide), one head in a block
-# with a partial second column vector (1088), splits in one chunk, over a chunk and in several chunks
-COMBINE_CASES = [(256, 64, 7), (256, 64, 16), (512, 128, 17), (1088, 3, 40), (64, 5, 1)]
+# (d_v, heads, splits, ws) of the combine: several heads per block (256, 64 wide), one head in a block
+# with a partial second column vector (1088), splits in one chunk, over a chunk and in several chunks;
+# ws: partials with the 64-row head blocks of the warp-specialized split kernel (8 heads: padded)
+COMBINE_CASES = [(256, 64, 7, True), (256, 64, 16, True), (512, 128, 17, True), (1088, 3, 40, False), (64, 5, 1, False),
+                 (256, 8, 7, True)]
 
 
-@pytest.mark.parametrize("d_v, heads, splits", COMBINE_CASES, ids=[f"dv{d}-h{h}-ns{n}" for d, h, n in COMBINE_CASES])
-def test_combine_against_float64(d_v, heads, splits):
+@pytest.mark.parametrize("d_v, heads, splits, ws", COMBINE_CASES,
+                         ids=[f"dv{d}-h{h}-ns{n}{'-ws' if w else ''}" for d, h, n, w in COMBINE_CASES])
+def test_combine_against_float64(d_v, heads, splits, ws):
     # the split partials of 5 tokens: the first split of every token empty, token 1 empty in every split,
     # token 2 non-empty only in the last split (so the running max starts at -inf chunk after chunk);
     # NaN in the padding rows of the partial output
     g = gen(splits)
     t_count = 5
     part_lse = torch.randn(t_count, splits, heads, generator=g) * 8
-    padded = partial_heads(heads)
+    padded = partial_heads(heads, ws)
     part_out = torch.randn(t_count, splits, padded, d_v, generator=g).bfloat16()
     part_out[:, :, heads:] = math.nan  # the rows of heads past the last one, which the combine never reads
     empty = torch.zeros(t_count, splits, dtype=torch.bool)
@@ -271,7 +279,7 @@ def test_combine_against_float64(d_v, heads, splits):
     total = weight.sum(dim=1)  # [T, H]
     want_out = (weight[..., None] * part_out[:, :, :heads].double()).sum(dim=1) / total.clamp_min(1e-300)[..., None]
     want_lse = torch.where(total > 0, top[:, 0] + total.log(), -math.inf)
-    key = dsa._cuda.KernelKey("combine", (d_v, heads))
+    key = dsa._cuda.KernelKey("combine", (d_v, heads, padded))
     dsa._cuda.warmup([key], progress=False)
     poison_allocator()
     out = torch.empty(t_count, heads, d_v, dtype=torch.bfloat16, device="cuda")

@@ -9,6 +9,7 @@ import subprocess
 
 import pytest
 
+from csrc_tl.sparse_attn import head_block
 from sparse_dsa_ops import KCacheLayout, _cuda
 from tests.test_cuda import attn_suite_keys
 
@@ -56,8 +57,8 @@ def test_cache_sources(op, width, target):
 @pytest.mark.parametrize("name", ATTN)
 def test_attention_sources(name, kind, target):
     keys = attn_keys(name, kind, target=target)
-    # the warp-specialized prefill kernel is CUDA-only and needs 64 heads per block
-    ws = target == "cuda" and ATTN[name][2] >= 33
+    # the warp-specialized kernels are CUDA-only; under 64 heads they pad the head block (512+0-h16)
+    ws = target == "cuda"
     # FP8 rows of 256 are staged raw and widened by two producer warpgroups
     staged = kind != "bf16" and ATTN[name][0] == 256
     families = ["attn_prefill_ws", "attn_decode_ws", "combine"]
@@ -256,13 +257,21 @@ def test_decode_split_plan(tokens, heads, topk, min_blocks, splits):
     ("packed", "glm-256+0-h64", 17, 2112, "cuda", "attn_decode_ws x7 + combine"),
     ("packed", "deepseek-512+64-h128", 256, 2048, "cuda", "attn_prefill_ws"),
     ("bf16", "glm-256+0-h64", 1, 2048, "hip", "attn_decode x32 + combine"),  # no warp specialization
-    ("bf16", "512+0-h16", 300, 2048, "cuda", "attn_prefill"),  # 16 heads: the portable kernels
+    # 16 heads (a tensor-parallel shard): the warp-specialized kernels over a padded head block
+    ("bf16", "512+0-h16", 300, 2048, "cuda", "attn_prefill_ws"),
+    ("packed", "512+0-h16", 1, 2048, "cuda", "attn_decode_ws x16 + combine"),
+    ("bf16", "512+0-h16", 1, 2048, "hip", "attn_decode x32 + combine"),
 ])
 def test_attention_plan(kind, geo, tokens, topk, target, plan):
     d_v, d_rope, heads = ATTN[geo]
     got = _cuda.plan_attn(kind, d_v, d_rope, heads, (d_v + d_rope) ** -0.5, False, False, tokens, topk, 132, target)
     assert str(got) == plan
     assert got.keys[-1].family == ("combine" if got.splits > 1 else got.keys[0].family)
+    if got.splits > 1:
+        # the split kernel's partial output has whole head blocks of its kernel (64 heads when
+        # warp-specialized, else 16 at 16 heads), and the combine is built for the same rows
+        block = 64 if got.keys[0].family == "attn_decode_ws" else head_block(heads)
+        assert got.partial_heads == got.keys[1].spec[2] == -(-heads // block) * block
 
 
 @pytest.mark.parametrize("kind, path",
