@@ -249,8 +249,9 @@ def ws_supported(geo: AttnGeometry) -> bool:
     """Whether :func:`build_attn_ws` handles ``geo`` (it also needs an sm_90 CUDA target). Any head
     count: under 64 heads (tensor-parallel shards: 8 or 16 heads) the block is padded with zero rows of
     q, and the kernel still takes the time of a 64-head block, which its producer's per-row gather and
-    widening bound, not the GEMMs; the portable kernels over 8- or 16-head blocks took 1.1-3.7 times as
-    long (H200, BENCHMARKS.md, nineteenth session)."""
+    widening bound, not the GEMMs. The portable kernels over 8- or 16-head blocks took up to 3.7 times as
+    long (in nine of ten cases longer; 2-4% shorter at DeepSeek packed T 1, 16 heads: H200,
+    BENCHMARKS.md, nineteenth session)."""
     # each half of a row takes whole 16-byte chunks of the eight threads of a row: 2 x 8 x 8 bf16
     # values or 2 x 8 x 16 FP8 values (a narrower FP8 row would leave the producer nothing to do)
     width = 128 if geo.kv_kind == "bf16" else 256
@@ -405,7 +406,7 @@ def build_combine(d_v: int, heads: int, part_heads: int, pdl: bool = False):
     before it reads; then it lets the kernel after it launch (a programmatic dependent must wait
     likewise before it reads this one's output; kernels launched plainly wait for completion anyway)."""
     assert d_v % COMBINE_VEC == 0, "d_v must be a multiple of 8"
-    assert part_heads >= heads
+    assert part_heads >= heads, f"partials of {part_heads} head rows cannot hold {heads} heads"
     t_count, n_split = T.dynamic("t"), T.dynamic("ns")
     lanes = d_v // COMBINE_VEC  # 16-byte column vectors in a row
     row_threads = min(lanes, COMBINE_THREADS)
