@@ -250,7 +250,7 @@ def ws_supported(geo: AttnGeometry) -> bool:
     count: under 64 heads (tensor-parallel shards: 8 or 16 heads) the block is padded with zero rows of
     q, and the kernel still takes the time of a 64-head block, which its producer's per-row gather and
     widening bound, not the GEMMs. The portable kernels over 8- or 16-head blocks took up to 3.7 times as
-    long (in nine of ten cases longer; 2-4% shorter at DeepSeek packed T 1, 16 heads: H200,
+    long (in nine of ten cases longer; 1-4% shorter at DeepSeek packed T 1, 16 heads: H200,
     BENCHMARKS.md, nineteenth session)."""
     # each half of a row takes whole 16-byte chunks of the eight threads of a row: 2 x 8 x 8 bf16
     # values or 2 x 8 x 16 FP8 values (a narrower FP8 row would leave the producer nothing to do)
