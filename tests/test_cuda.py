@@ -29,10 +29,12 @@ ATTN_GEOS = [GLM, DEEPSEEK, (512, 64, 16), (256, 64, 64), (256, 0, 1), (256, 0, 
 # kv kinds: "fp8" is native float8_e4m3fn kv with float8 q, "fp8-kv" the same kv with bf16 q, "packed-q8"
 # a packed pool with float8 q
 ALL_KINDS = ("bf16", "packed", "fp8", "fp8-kv", "packed-q8")
-# (packed rows at 8 heads: GLM's tensor-parallel shard of 8)
-ATTN_KINDS = {geo: ALL_KINDS if geo in (GLM, DEEPSEEK) else ("bf16",) if geo[0] % 128
-              else ("bf16", "packed", "fp8") if geo[1] == 64 or geo[0] == 384 or geo == (256, 0, 8)
-              else ("bf16", "fp8") for geo in ATTN_GEOS}
+# (packed rows at 8 heads: GLM's tensor-parallel shard of 8; a packed row needs d_v a multiple of 128)
+THREE = ("bf16", "packed", "fp8")
+ATTN_KINDS = {GLM: ALL_KINDS, DEEPSEEK: ALL_KINDS, (512, 64, 16): THREE, (256, 64, 64): THREE,
+              (256, 0, 1): ("bf16", "fp8"), (256, 0, 8): THREE, (256, 0, 16): ("bf16", "fp8"),
+              (256, 0, 128): ("bf16", "fp8"), (384, 0, 16): THREE, (192, 64, 8): ("bf16",)}
+assert list(ATTN_KINDS) == ATTN_GEOS
 ATTN_CASES = [(geo, kind) for geo in ATTN_GEOS for kind in ATTN_KINDS[geo]]
 
 
