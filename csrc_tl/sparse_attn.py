@@ -624,6 +624,12 @@ __device__ __forceinline__ void dsa_copy16(void* dst, const void* src) {
 WS_STORE_BARRIERS = ((14, 128), (15, 128))
 
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory one sm_90 block may use
+# Passes of a block whose copies the in-place producer (produce_inplace in build_attn_ws) issues before it
+# widens the first: the issue of a block's copies takes about as long as their widening (clock64 stamps,
+# DeepSeek packed T 256: 2290 and 2730 cycles a block). Measured (H200, BENCHMARKS.md, twentieth session,
+# one call, two rounds): DeepSeek packed decode T 256 440 against 447 us with every pass issued first,
+# DeepSeek fp8 prefill 5517-5518 against 5572-5589 us; one pass ahead 448 / 5569.
+WS_INPLACE_AHEAD = 2
 # Bytes after each row of a raw FP8 stage (with `quarters` in build_attn_ws): the two rows a quarter
 # warp reads or writes at once then lie on different banks.
 RAW_PAD = 64
@@ -955,7 +961,9 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         bytes that another one writes, so no raw buffer and no barrier among the producer threads is
         needed. The copies and the valid flags (the eight threads of a row store the same one) take
         their addresses with ``T.address_of``, so that TileLang puts none either (through
-        ``T.ptx_cp_async`` it put three per pass and block)."""
+        ``T.ptx_cp_async`` it put three per pass and block). The copies of a pass are issued
+        :data:`WS_INPLACE_AHEAD` passes before it is widened, so that the widening of the first passes
+        runs while the copies of the later ones are still being issued."""
         T.barrier_wait(free, phase ^ 1)
         tx = T.get_thread_binding() - 2 * 128
         lane = plane(tx)
@@ -963,39 +971,44 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         w = piece // 2  # words per cp.async of FP8 values
         if packed:
             scales = T.view(kv, (s_count, row_w // 4), T.float32)
-        for p in T.unroll(passes):
-            j = p * rows_per_pass + prow(tx)
-            ok = entry_ok(blk, j, stop, nxt[p])
-            T.call_extern("handle", "dsa_put_flag", T.address_of(ok_s[j]), T.if_then_else(ok, 1, 0))
-            row = T.if_then_else(ok, nxt[p], 0)
-            for c in T.unroll(chunks // 2):
-                col = (c * WS_THREADS_PER_ROW + lane) * vec
-                for k in T.unroll(vec // piece):  # into the second half of the chunk's 32 bytes
-                    cp_async(dst_l[j, col + 8 + k * w], words[row, (col + k * piece) // 2], piece, ok)
-                    cp_async(dst_r[j, col + 8 + k * w], words[row, (half + col + k * piece) // 2], piece, ok)
-            if d_tail:
-                for c in T.unroll(tail_chunks):
-                    col = (c * WS_THREADS_PER_ROW + lane) * 8
-                    if packed:  # bf16 already: copied as they are
-                        for k in T.unroll(8 // tail_piece):
-                            cp_async(dst_t[j, col + k * tail_piece], words[row, rope_half + col + k * tail_piece],
-                                     2 * tail_piece, ok)
-                    else:  # 8 FP8 values into the first half of their 16-byte chunk
-                        cp_async(dst_t[j, col], words[row, (d_v + col) // 2], 8, ok)
-            if packed:
-                for i in T.unroll(n_tiles):
-                    sc[p, i] = T.if_then_else(ok, scales[row, scale_word + i], 0.0)
-            T.ptx_commit_group()  # one group per pass: the widening of a pass starts when its copies land
-        load_index(indices, t, blk + 1, nxt)
-        for p in T.unroll(passes):
-            j = p * rows_per_pass + prow(tx)
-            # this thread's own copies of pass p (T.ptx_wait_group would add a barrier)
-            T.call_extern("handle", "dsa_cp_async_wait", passes - 1 - p)
-            widen(None, dst_l, dst_r, sc, p, j, lane)
-            if d_tail and not packed:
-                for c in T.unroll(tail_chunks):
-                    col = (c * WS_THREADS_PER_ROW + lane) * 8
-                    T.call_extern("handle", "dsa_widen_tail_inplace", T.address_of(dst_t[j, col]))
+        ahead = min(WS_INPLACE_AHEAD, passes)
+        for step in tuple(range(passes + ahead)):  # (a Python loop: unrolled as the pass schedule is built)
+            if step < passes:
+                p = step
+                j = p * rows_per_pass + prow(tx)
+                ok = entry_ok(blk, j, stop, nxt[p])
+                T.call_extern("handle", "dsa_put_flag", T.address_of(ok_s[j]), T.if_then_else(ok, 1, 0))
+                row = T.if_then_else(ok, nxt[p], 0)
+                for c in T.unroll(chunks // 2):
+                    col = (c * WS_THREADS_PER_ROW + lane) * vec
+                    for k in T.unroll(vec // piece):  # into the second half of the chunk's 32 bytes
+                        cp_async(dst_l[j, col + 8 + k * w], words[row, (col + k * piece) // 2], piece, ok)
+                        cp_async(dst_r[j, col + 8 + k * w], words[row, (half + col + k * piece) // 2], piece, ok)
+                if d_tail:
+                    for c in T.unroll(tail_chunks):
+                        col = (c * WS_THREADS_PER_ROW + lane) * 8
+                        if packed:  # bf16 already: copied as they are
+                            for k in T.unroll(8 // tail_piece):
+                                cp_async(dst_t[j, col + k * tail_piece], words[row, rope_half + col + k * tail_piece],
+                                         2 * tail_piece, ok)
+                        else:  # 8 FP8 values into the first half of their 16-byte chunk
+                            cp_async(dst_t[j, col], words[row, (d_v + col) // 2], 8, ok)
+                if packed:
+                    for i in T.unroll(n_tiles):
+                        sc[p, i] = T.if_then_else(ok, scales[row, scale_word + i], 0.0)
+                T.ptx_commit_group()  # one group per pass: the widening of a pass starts when its copies land
+            if step == passes - 1:
+                load_index(indices, t, blk + 1, nxt)
+            if step >= ahead:
+                q = step - ahead
+                j = q * rows_per_pass + prow(tx)
+                # this thread's own copies of pass q (T.ptx_wait_group would add a barrier)
+                T.call_extern("handle", "dsa_cp_async_wait", min(step + 1, passes) - 1 - q)
+                widen(None, dst_l, dst_r, sc, q, j, lane)
+                if d_tail and not packed:
+                    for c in T.unroll(tail_chunks):
+                        col = (c * WS_THREADS_PER_ROW + lane) * 8
+                        T.call_extern("handle", "dsa_widen_tail_inplace", T.address_of(dst_t[j, col]))
         T.fence_proxy_async()
         T.barrier_arrive(ready)
 
