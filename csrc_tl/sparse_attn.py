@@ -491,7 +491,10 @@ def build_combine(d_v: int, heads: int, part_heads: int, pdl: bool = False):
 # the CTA launched with: 3 x 168 with one producer (a request beyond that hangs the kernel), 4 x 128
 # with two; the consumers' budgets are increases from the launch count and the producers' decreases
 # (a consumer budget below it is an illegal instruction: H200, eighteenth session).
-WS_NREG = {("paired", 1): (208, 224, 72), ("single", 1): (240, 168, 80), ("single", 2): (208, 144, 80)}
+# The in-place producer (512+64 FP8 rows) keeps the copies of WS_INPLACE_AHEAD passes in flight: at 80
+# registers ptxas spilled 12-16 bytes in its kernels with topk_length (CPU test), at 88 none.
+WS_NREG = {("paired", 1): (208, 224, 72), ("single", 1): (240, 168, 80), ("single", 2): (208, 144, 80),
+           ("inplace", 1): (240, 168, 88)}
 
 
 def check_ws_nreg(nreg: tuple[int, int, int], producers: int) -> None:
@@ -730,7 +733,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
     # blocks rescale nothing (probabilities stay below 2^8: exact in float32, the same relative
     # precision in bf16); threads whose rows' max did not move skip the rescale (544 against 527).
     lazy_gap = 8.0 / scale2 if halves else None
-    scheme = ("paired" if paired else "single", n_prod)
+    scheme = ("paired" if paired else "inplace" if inplace else "single", n_prod)
     assert nreg is not None or scheme in WS_NREG, f"no register budgets for {scheme}; pass nreg"
     nreg = WS_NREG[scheme] if nreg is None else nreg
     check_ws_nreg(nreg, n_prod)
@@ -994,8 +997,14 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                         else:  # 8 FP8 values into the first half of their 16-byte chunk
                             cp_async(dst_t[j, col], words[row, (d_v + col) // 2], 8, ok)
                 if packed:
+                    # the row's scales in one vector load (the row is valid: row 0 for invalid entries),
+                    # then zero for invalid entries (TileLang picks the widest load the row width aligns).
+                    # Measured (H200, BENCHMARKS.md, twentieth session, run DI): DeepSeek packed decode
+                    # T 256 427-429 us against 453-454 with four scalar loads at the same budgets
+                    for i in T.vectorized(n_tiles):
+                        sc[p, i] = scales[row, scale_word + i]
                     for i in T.unroll(n_tiles):
-                        sc[p, i] = T.if_then_else(ok, scales[row, scale_word + i], 0.0)
+                        sc[p, i] = T.if_then_else(ok, sc[p, i], 0.0)
                 T.ptx_commit_group()  # one group per pass: the widening of a pass starts when its copies land
             if step == passes - 1:
                 load_index(indices, t, blk + 1, nxt)
