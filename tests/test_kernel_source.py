@@ -296,6 +296,26 @@ def test_staged_copies_respect_row_alignment():
         assert set(re.findall(r"cp_async_gs_conditional<(\d+)>", producer)) == sizes
 
 
+@pytest.mark.parametrize("kind", ["packed", "fp8"])
+@pytest.mark.parametrize("path", [0, 1])  # the prefill and the split kernel
+def test_inplace_producer_schedule(kind, path):
+    # the in-place producer (512+64 FP8 rows) issues the copies of a block's passes WS_INPLACE_AHEAD (2)
+    # ahead of their widening: three passes' copies committed before it waits for the first, each wait
+    # for its own pass only, both stages alike; a packed row's four scales in one 16-byte load per pass
+    import re
+
+    from csrc_tl.sparse_attn import WS_INPLACE_AHEAD
+
+    assert WS_INPLACE_AHEAD == 2
+    key = attn_keys("deepseek-512+64-h128", kind)[path]
+    producer = kernel_body(source(key, "cuda")).split("warpgroup_reg_dealloc")[1]
+    scale_load = r"(\(float4\*\)\(\(\(float\*\)scales\))"
+    events = re.findall(r"dsa_cp_async_wait\((\d+)\)|(cp_async_commit)|" + scale_load, producer)
+    got = "".join(wait or ("C" if commit else "S") for wait, commit, _ in events)
+    block = "SCSCSC2SC210" if kind == "packed" else "CCC2C210"
+    assert got == 2 * block
+
+
 @pytest.mark.parametrize("name, kind, path, paired, halves", [
     ("glm-256+0-h64", "bf16", 0, True, False),  # prefill of narrow bf16 rows: 128-row blocks in pairs
     ("glm-256+0-h64", "bf16", 1, False, False),  # its split kernel
