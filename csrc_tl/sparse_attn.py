@@ -43,8 +43,8 @@ import tilelang.language as T
 
 from sparse_dsa_ops.layout import QUANT_TILE, KCacheLayout
 
-__all__ = ["AttnGeometry", "DEFAULT_TILES", "head_block", "partial_heads", "ws_supported", "ws_block", "build_attn",
-           "build_attn_ws", "build_combine"]
+__all__ = ["AttnGeometry", "DEFAULT_TILES", "head_block", "partial_heads", "ws_supported", "ws_block",
+           "ws_inplace_raw_col", "build_attn", "build_attn_ws", "build_combine"]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -525,6 +525,23 @@ def ws_row_lane(tx, quarters: bool):
     return tx // WS_THREADS_PER_ROW, tx % WS_THREADS_PER_ROW
 
 
+def ws_inplace_raw_col(group: int, lane):
+    """Stage column where lane ``lane`` (0-7; an int or a TIR expression) of a row copies its 16 raw FP8
+    values of 128-value ``group`` of a value half, for the in-place producer of :func:`build_attn_ws`.
+    Lane ``l`` widens values ``128 * group + 16 * l`` to ``+ 16`` into the columns of the same numbers, so a
+    group takes two 64-column (128-byte) lines of its row widened; its 128 raw bytes go into the second
+    line, the eight lanes' side by side, and lanes 4-7 widen over them once every lane of the warp has
+    loaded its own (``dsa_widen_synced``; the eight lanes of a row are in one warp).
+
+    Why: with each lane's raw bytes in the second half of its own 32 widened bytes, every 16-byte copy
+    took a shared-memory wavefront of its own (ncu, DeepSeek packed decode T 256: 32 wavefronts per
+    warp-wide cp.async where 4 carry its 512 bytes); contiguous, the copies take whole lines. Measured
+    (H200, BENCHMARKS.md, twenty-first session, run EG): DeepSeek packed decode T 256 381-385 against
+    426-427 us, DeepSeek native FP8 prefill 5092-5148 against 5628-5634 us."""
+    line = 8 * WS_THREADS_PER_ROW  # bf16 columns of one 128-byte line
+    return group * 2 * line + line + lane * 8
+
+
 def ws_block(geo: AttnGeometry, split: bool) -> int:
     """Top-k rows per block of :func:`build_attn_ws`: 128 for the prefill of narrow bf16 rows (two
     stages of 128 rows still fit beside q; halves the score GEMMs' re-reads of q per row), else 64.
@@ -543,8 +560,8 @@ __device__ __forceinline__ float dsa_row_sum(int i) { return dsa_row_sums()[i]; 
 """
 
 # The widening of FP8 rows in the producer of build_attn_ws (staged rows: from their raw stage; other
-# rows in place, where the 16 raw values of a 16-value chunk lie in the second half of the 32 bytes
-# the chunk takes widened). e4m3 -> f16 is exact, f16 -> f32 too; the scale multiply and the rounding
+# rows in place, where the raw values of a row's 128-value group lie in the second of the two lines the
+# group takes widened: see ws_inplace_raw_col). e4m3 -> f16 is exact, f16 -> f32 too; the scale multiply and the rounding
 # to bf16 are those of the reference's dequantization.
 WS_WIDEN = """
 __device__ __forceinline__ unsigned dsa_bf16x2(unsigned short fp8x2, float scale, bool scaled) {
@@ -562,7 +579,7 @@ __device__ __forceinline__ uint4 dsa_widen8(unsigned w0, unsigned w1, float scal
                     dsa_bf16x2(w1 & 0xffff, scale, scaled), dsa_bf16x2(w1 >> 16, scale, scaled));
 }
 // Chunks of 16 FP8 values, each given as (raw, d0, d1, scale): raw points to its 16 raw values, d0 and
-// d1 to the two 8-value bf16 halves it takes widened in a stage (raw may be d1: widened in place).
+// d1 to the two 8-value bf16 halves it takes widened in a stage.
 // Every chunk's raw values are loaded before any chunk is stored, so the shared-memory loads are in
 // flight together.
 template <bool kScaled>
@@ -571,6 +588,17 @@ template <bool kScaled, typename... Rest>
 __device__ __forceinline__ void dsa_widen(const void* raw, void* d0, void* d1, float scale, Rest... rest) {
   uint4 v = *reinterpret_cast<const uint4*>(raw);
   dsa_widen<kScaled>(rest...);
+  *reinterpret_cast<uint4*>(d0) = dsa_widen8(v.x, v.y, scale, kScaled);
+  *reinterpret_cast<uint4*>(d1) = dsa_widen8(v.z, v.w, scale, kScaled);
+}
+// The same in place, where other lanes of the warp widen over a chunk's raw values (ws_inplace_raw_col):
+// every lane of the warp loads its chunks, then the warp synchronizes, then they store.
+template <bool kScaled>
+__device__ __forceinline__ void dsa_widen_synced() { __syncwarp(); }
+template <bool kScaled, typename... Rest>
+__device__ __forceinline__ void dsa_widen_synced(const void* raw, void* d0, void* d1, float scale, Rest... rest) {
+  uint4 v = *reinterpret_cast<const uint4*>(raw);
+  dsa_widen_synced<kScaled>(rest...);
   *reinterpret_cast<uint4*>(d0) = dsa_widen8(v.x, v.y, scale, kScaled);
   *reinterpret_cast<uint4*>(d1) = dsa_widen8(v.z, v.w, scale, kScaled);
 }
@@ -855,18 +883,19 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
 
     def widen(raw_v, dst_l, dst_r, sc, p, j, lane):
         """The call that widens this thread's chunks of row ``j`` (pass ``p``) into ``dst_l`` / ``dst_r``,
-        from the raw stage ``raw_v`` or, if it is None, in place (a chunk's raw values in the second half
-        of its bytes); ``sc[p, :]`` the row's tile scales (packed rows). Chunk ``c`` of a half lies in
-        tile ``c`` of that half. The addresses are taken with ``T.address_of``: TileLang would separate
-        accesses it sees through ``T.access_ptr`` by a barrier among the producer threads between every
-        two chunks, though each thread reads only bytes it copied itself."""
+        from the raw stage ``raw_v`` or, if it is None, in place (raw values at :func:`ws_inplace_raw_col`,
+        widened after a warp sync); ``sc[p, :]`` the row's tile scales (packed rows). Chunk ``c`` of a half
+        lies in tile ``c`` of that half. The addresses are taken with ``T.address_of``: TileLang would
+        separate accesses it sees through ``T.access_ptr`` by a barrier among the producer threads between
+        every two chunks, though each thread reads only bytes it copied itself."""
         args = []
         for c in range(chunks // 2):
             col = (c * WS_THREADS_PER_ROW + lane) * vec
             for dst, base, tile in ((dst_l, 0, c), (dst_r, half, half // QUANT_TILE + c)):
-                raw = T.address_of(dst[j, col + 8]) if raw_v is None else T.address_of(raw_v[j, base + col])
+                raw = T.address_of(dst[j, ws_inplace_raw_col(c, lane)] if raw_v is None else raw_v[j, base + col])
                 args += [raw, T.address_of(dst[j, col]), T.address_of(dst[j, col + 8]), sc[p, tile] if packed else 1.0]
-        return T.call_extern("handle", "dsa_widen<true>" if packed else "dsa_widen<false>", *args)
+        name = "dsa_widen" if raw_v is not None else "dsa_widen_synced"
+        return T.call_extern("handle", f"{name}<{'true' if packed else 'false'}>", *args)
 
     @T.macro
     def issue_raw(kv, slot, blk, stop, ok, raw_v, raw_t, raw_sc):
@@ -959,10 +988,10 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
     def produce_inplace(kv, indices, t, blk, stop, nxt, sc, dst_l, dst_r, dst_t, ok_s, ready, free, phase):
         """Gather top-k block ``blk`` (raw indices ``nxt``, loaded one block earlier) into a stage and
         widen it there. Each thread copies the raw bytes of each of its 16-value chunks by cp.async into
-        the second half of the 32 bytes the chunk takes widened, waits for its own copies only (one
-        group per pass, each widened as soon as it lands), and widens them in place: no thread reads
-        bytes that another one writes, so no raw buffer and no barrier among the producer threads is
-        needed. The copies and the valid flags (the eight threads of a row store the same one) take
+        the row's stage, the eight lanes of a row side by side (:func:`ws_inplace_raw_col`), waits for
+        its own copies only (one group per pass, each widened as soon as it lands), loads them, and
+        widens them in place once the warp (which holds the row's eight lanes) has loaded its own: no
+        raw buffer and no barrier among the producer threads is needed. The copies and the valid flags (the eight threads of a row store the same one) take
         their addresses with ``T.address_of``, so that TileLang puts none either (through
         ``T.ptx_cp_async`` it put three per pass and block). The copies of a pass are issued
         :data:`WS_INPLACE_AHEAD` passes before it is widened, so that the widening of the first passes
@@ -984,9 +1013,10 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                 row = T.if_then_else(ok, nxt[p], 0)
                 for c in T.unroll(chunks // 2):
                     col = (c * WS_THREADS_PER_ROW + lane) * vec
-                    for k in T.unroll(vec // piece):  # into the second half of the chunk's 32 bytes
-                        cp_async(dst_l[j, col + 8 + k * w], words[row, (col + k * piece) // 2], piece, ok)
-                        cp_async(dst_r[j, col + 8 + k * w], words[row, (half + col + k * piece) // 2], piece, ok)
+                    at = ws_inplace_raw_col(c, lane)  # (contiguous with the other lanes' of the row)
+                    for k in T.unroll(vec // piece):
+                        cp_async(dst_l[j, at + k * w], words[row, (col + k * piece) // 2], piece, ok)
+                        cp_async(dst_r[j, at + k * w], words[row, (half + col + k * piece) // 2], piece, ok)
                 if d_tail:
                     for c in T.unroll(tail_chunks):
                         col = (c * WS_THREADS_PER_ROW + lane) * 8

@@ -92,15 +92,17 @@ def test_attention_sources(name, kind, target):
             assert all("__syncthreads" not in role for role in roles)
             # bf16 rows go to shared memory by cp.async and signal the stage barrier when they land;
             # 256-wide FP8 rows are staged raw by cp.async and widened shared-to-shared, wider ones
-            # copied raw into their own stage and widened there (each thread waits for its own copies)
+            # copied raw into their own stage and widened there (each thread waits for its own copies;
+            # in place, each row's lanes after a warp sync: dsa_widen_synced)
             assert "cp_async" in roles[2]
             assert ("cp_async_wait" in roles[2]) == (kind != "bf16")
-            assert ("dsa_widen<" in roles[2]) == (kind == "fp8" or kind == "packed" and not staged)
-            # each thread widens only bytes it copied itself: no barrier among the producer threads
-            # inside the loop of widening calls (TileLang puts one there when it sees the stage's reads
-            # and writes through T.access_ptr; it cost ~10% at DeepSeek geometry)
+            assert ("dsa_widen<" in roles[2]) == (kind == "fp8" and staged)
+            assert ("dsa_widen_synced<" in roles[2]) == (kind != "bf16" and not staged)
+            # no barrier among the producer threads inside the loop of widening calls (TileLang puts one
+            # there when it sees the stage's reads and writes through T.access_ptr; it cost ~10% at
+            # DeepSeek geometry)
             assert not re.search(r"\{\s*tl::__sync_thread_partial\([^;]*;\s*(#pragma unroll\s*)?"
-                                 r"(for \([^)]*\) \{\s*)?dsa_widen<", roles[2])
+                                 r"(for \([^)]*\) \{\s*)?dsa_widen(_synced)?<", roles[2])
             assert ("mbarrier_cp_async_arrive_noinc" in roles[2]) == (kind == "bf16")
             if kind != "bf16" and not staged:
                 # rows widened in place: no barrier among the producer threads at all (TileLang put three
@@ -294,6 +296,33 @@ def test_staged_copies_respect_row_alignment():
         key = _cuda.attn_keys(kind, 256, 64, 64, 320**-0.5, False, target="cuda", q_fp8=kind == "fp8")[0]
         producer = kernel_body(source(key, "cuda")).split("warpgroup_reg_dealloc")[1]
         assert set(re.findall(r"cp_async_gs_conditional<(\d+)>", producer)) == sizes
+
+
+def test_inplace_raw_columns_fill_whole_lines():
+    # the in-place producer's copies: the eight lanes of a row copy each 128-value group's raw bytes
+    # side by side into the second of the two 128-byte lines the group takes widened (ncu: strided,
+    # each 16-byte copy took a shared-memory wavefront of its own), and only lanes of the same row
+    # (one warp) widen over another lane's raw bytes
+    from csrc_tl.sparse_attn import WS_THREADS_PER_ROW, ws_inplace_raw_col, ws_row_lane
+
+    assert WS_THREADS_PER_ROW == 8
+    for group in range(2):
+        raw = {lane: range(ws_inplace_raw_col(group, lane), ws_inplace_raw_col(group, lane) + 8) for lane in range(8)}
+        widened = {lane: range(128 * group + 16 * lane, 128 * group + 16 * lane + 16) for lane in range(8)}
+        cols = sorted(c for r in raw.values() for c in r)
+        assert cols == list(range(128 * group + 64, 128 * group + 128))  # one whole line, 8-column aligned
+        assert all(ws_inplace_raw_col(group, lane) % 8 == 0 for lane in range(8))  # 16-byte copies
+        for lane in range(8):
+            assert set(raw[lane]) <= set(range(128 * group, 128 * group + 128))  # inside the group's lines
+            # whose raw bytes it overwrites: none where it writes the first line
+            over = [other for other in range(8) if set(raw[other]) & set(widened[lane])]
+            assert over == ([] if lane < 4 else [2 * lane - 8, 2 * lane - 7])
+    # the eight lanes of a row are in one warp (the warp sync orders them), with and without quarters
+    for quarters in (False, True):
+        for tx in range(128):
+            row = ws_row_lane(tx, quarters)[0]
+            mates = [u for u in range(128) if ws_row_lane(u, quarters)[0] == row]
+            assert len(mates) == 8 and len({u // 32 for u in mates}) == 1
 
 
 @pytest.mark.parametrize("kind", ["packed", "fp8"])
