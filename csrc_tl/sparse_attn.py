@@ -561,8 +561,8 @@ __device__ __forceinline__ float dsa_row_sum(int i) { return dsa_row_sums()[i]; 
 
 # The widening of FP8 rows in the producer of build_attn_ws (staged rows: from their raw stage; other
 # rows in place, where the raw values of a row's 128-value group lie in the second of the two lines the
-# group takes widened: see ws_inplace_raw_col). e4m3 -> f16 is exact, f16 -> f32 too; the scale multiply and the rounding
-# to bf16 are those of the reference's dequantization.
+# group takes widened: see ws_inplace_raw_col). e4m3 -> f16 is exact, f16 -> f32 too; the scale multiply
+# and the rounding to bf16 are those of the reference's dequantization.
 WS_WIDEN = """
 __device__ __forceinline__ unsigned dsa_bf16x2(unsigned short fp8x2, float scale, bool scaled) {
   unsigned h, r;
@@ -925,7 +925,9 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                                        piece, predicate=ok[p] != 0)
             if packed:
                 # the row's scales into registers (eight lanes of a row read the same 8 bytes: one
-                # request; copied to shared memory per lane they cost 8-way bank conflicts)
+                # request; copied to shared memory per lane they cost 8-way bank conflicts). In one
+                # 8-byte load, as the in-place producer loads them, GLM packed prefill took 1645 against
+                # 1583-1586 us (H200, BENCHMARKS.md, twenty-first session)
                 for i in range(n_tiles):
                     raw_sc[p, i] = T.if_then_else(ok[p] != 0, scales[row, scale_word + i], 0.0)
             if d_tail:
@@ -991,11 +993,11 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         the row's stage, the eight lanes of a row side by side (:func:`ws_inplace_raw_col`), waits for
         its own copies only (one group per pass, each widened as soon as it lands), loads them, and
         widens them in place once the warp (which holds the row's eight lanes) has loaded its own: no
-        raw buffer and no barrier among the producer threads is needed. The copies and the valid flags (the eight threads of a row store the same one) take
-        their addresses with ``T.address_of``, so that TileLang puts none either (through
-        ``T.ptx_cp_async`` it put three per pass and block). The copies of a pass are issued
-        :data:`WS_INPLACE_AHEAD` passes before it is widened, so that the widening of the first passes
-        runs while the copies of the later ones are still being issued."""
+        raw buffer and no barrier among the producer threads is needed. The copies and the valid flags
+        (the eight threads of a row store the same one) take their addresses with ``T.address_of``, so
+        that TileLang puts none either (through ``T.ptx_cp_async`` it put three per pass and block). The
+        copies of a pass are issued :data:`WS_INPLACE_AHEAD` passes before it is widened, so that the
+        widening of the first passes runs while the copies of the later ones are still being issued."""
         T.barrier_wait(free, phase ^ 1)
         tx = T.get_thread_binding() - 2 * 128
         lane = plane(tx)
@@ -1206,7 +1208,10 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
             # memory. The running max passes 0 -> 1 -> 0 once per pair (m_s), so each softmax overlaps
             # the other warpgroup's GEMMs. Otherwise warpgroup 0 scores every block and runs the
             # softmax, and warpgroup 1 only its half of PV: a block is consumed as soon as it is ready,
-            # not a pair at a time.
+            # not a pair at a time. Measured slower over the 256-wide FP8 rows (H200, BENCHMARKS.md,
+            # thirteenth to twenty-first sessions): pairs; a column split (each warpgroup scoring half of
+            # a block's rows); q or the probabilities in registers; the next block's score GEMMs issued
+            # before this block's softmax (two stages or three).
             tx = T.get_thread_binding()
             if tx < 128:
                 T.set_max_nreg(nreg[0], 1)
