@@ -531,7 +531,7 @@ def ws_inplace_raw_col(group: int, lane):
     Lane ``l`` widens values ``128 * group + 16 * l`` to ``+ 16`` into the columns of the same numbers, so a
     group takes two 64-column (128-byte) lines of its row widened; its 128 raw bytes go into the second
     line, the eight lanes' side by side, and lanes 4-7 widen over them once every lane of the warp has
-    loaded its own (``dsa_widen_synced``; the eight lanes of a row are in one warp).
+    loaded its own (``dsa_widen`` with ``kSync``; the eight lanes of a row are in one warp).
 
     Why: with each lane's raw bytes in the second half of its own 32 widened bytes, every 16-byte copy
     took a shared-memory wavefront of its own (ncu, DeepSeek packed decode T 256: 32 wavefronts per
@@ -581,24 +581,16 @@ __device__ __forceinline__ uint4 dsa_widen8(unsigned w0, unsigned w1, float scal
 // Chunks of 16 FP8 values, each given as (raw, d0, d1, scale): raw points to its 16 raw values, d0 and
 // d1 to the two 8-value bf16 halves it takes widened in a stage.
 // Every chunk's raw values are loaded before any chunk is stored, so the shared-memory loads are in
-// flight together.
-template <bool kScaled>
-__device__ __forceinline__ void dsa_widen() {}
-template <bool kScaled, typename... Rest>
+// flight together. kSync: in place, where other lanes of the warp widen over a chunk's raw values
+// (ws_inplace_raw_col), the warp synchronizes between its lanes' loads and their stores.
+template <bool kScaled, bool kSync>
+__device__ __forceinline__ void dsa_widen() {
+  if constexpr (kSync) __syncwarp();
+}
+template <bool kScaled, bool kSync, typename... Rest>
 __device__ __forceinline__ void dsa_widen(const void* raw, void* d0, void* d1, float scale, Rest... rest) {
   uint4 v = *reinterpret_cast<const uint4*>(raw);
-  dsa_widen<kScaled>(rest...);
-  *reinterpret_cast<uint4*>(d0) = dsa_widen8(v.x, v.y, scale, kScaled);
-  *reinterpret_cast<uint4*>(d1) = dsa_widen8(v.z, v.w, scale, kScaled);
-}
-// The same in place, where other lanes of the warp widen over a chunk's raw values (ws_inplace_raw_col):
-// every lane of the warp loads its chunks, then the warp synchronizes, then they store.
-template <bool kScaled>
-__device__ __forceinline__ void dsa_widen_synced() { __syncwarp(); }
-template <bool kScaled, typename... Rest>
-__device__ __forceinline__ void dsa_widen_synced(const void* raw, void* d0, void* d1, float scale, Rest... rest) {
-  uint4 v = *reinterpret_cast<const uint4*>(raw);
-  dsa_widen_synced<kScaled>(rest...);
+  dsa_widen<kScaled, kSync>(rest...);
   *reinterpret_cast<uint4*>(d0) = dsa_widen8(v.x, v.y, scale, kScaled);
   *reinterpret_cast<uint4*>(d1) = dsa_widen8(v.z, v.w, scale, kScaled);
 }
@@ -894,8 +886,8 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
             for dst, base, tile in ((dst_l, 0, c), (dst_r, half, half // QUANT_TILE + c)):
                 raw = T.address_of(dst[j, ws_inplace_raw_col(c, lane)] if raw_v is None else raw_v[j, base + col])
                 args += [raw, T.address_of(dst[j, col]), T.address_of(dst[j, col + 8]), sc[p, tile] if packed else 1.0]
-        name = "dsa_widen" if raw_v is not None else "dsa_widen_synced"
-        return T.call_extern("handle", f"{name}<{'true' if packed else 'false'}>", *args)
+        flags = f"{'true' if packed else 'false'}, {'false' if raw_v is not None else 'true'}"  # kScaled, kSync
+        return T.call_extern("handle", f"dsa_widen<{flags}>", *args)
 
     @T.macro
     def issue_raw(kv, slot, blk, stop, ok, raw_v, raw_t, raw_sc):

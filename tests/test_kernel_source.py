@@ -93,16 +93,16 @@ def test_attention_sources(name, kind, target):
             # bf16 rows go to shared memory by cp.async and signal the stage barrier when they land;
             # 256-wide FP8 rows are staged raw by cp.async and widened shared-to-shared, wider ones
             # copied raw into their own stage and widened there (each thread waits for its own copies;
-            # in place, each row's lanes after a warp sync: dsa_widen_synced)
+            # in place, each row's lanes after a warp sync: dsa_widen<kScaled, kSync = true>)
             assert "cp_async" in roles[2]
             assert ("cp_async_wait" in roles[2]) == (kind != "bf16")
-            assert ("dsa_widen<" in roles[2]) == (kind == "fp8" and staged)
-            assert ("dsa_widen_synced<" in roles[2]) == (kind != "bf16" and not staged)
+            assert bool(re.search(r"dsa_widen<false, false>\(", roles[2])) == (kind == "fp8" and staged)
+            assert bool(re.search(r"dsa_widen<(true|false), true>\(", roles[2])) == (kind != "bf16" and not staged)
             # no barrier among the producer threads inside the loop of widening calls (TileLang puts one
             # there when it sees the stage's reads and writes through T.access_ptr; it cost ~10% at
             # DeepSeek geometry)
             assert not re.search(r"\{\s*tl::__sync_thread_partial\([^;]*;\s*(#pragma unroll\s*)?"
-                                 r"(for \([^)]*\) \{\s*)?dsa_widen(_synced)?<", roles[2])
+                                 r"(for \([^)]*\) \{\s*)?dsa_widen<", roles[2])
             assert ("mbarrier_cp_async_arrive_noinc" in roles[2]) == (kind == "bf16")
             if kind != "bf16" and not staged:
                 # rows widened in place: no barrier among the producer threads at all (TileLang put three
