@@ -44,7 +44,7 @@ import tilelang.language as T
 from sparse_dsa_ops.layout import QUANT_TILE, KCacheLayout
 
 __all__ = ["AttnGeometry", "DEFAULT_TILES", "head_block", "partial_heads", "ws_supported", "ws_block",
-           "ws_inplace_raw_col", "build_attn", "build_attn_ws", "build_combine"]
+           "ws_inplace_raw_col", "ws_quarters", "build_attn", "build_attn_ws", "build_combine"]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -672,6 +672,22 @@ def ws_staged(geo: AttnGeometry, block_i: int = 64) -> bool:
     return 2 * hb * d_qk + 2 * 2 * block_i * d_qk + 2 * block_i * raw_row + 2 * hb * block_i + 4096 <= SMEM_LIMIT
 
 
+def ws_quarters(geo: AttnGeometry, split: bool, block_i: int = 64) -> bool:
+    """Whether the producer of :func:`build_attn_ws` maps its threads to rows by quarter warps
+    (:func:`ws_row_lane`): for every FP8 kernel but the prefill over staged packed rows. bf16 rows are
+    copied straight into the stage, 16 bytes per lane: no conflict either way.
+
+    Measured (H200, BENCHMARKS.md): quarters are faster for native FP8 rows (twelfth session: GLM prefill
+    375 against 358 TFLOPS, DeepSeek 404 against 388; GLM decode T 17 16.6 against 17.0 us), for the split
+    kernel over packed rows (GLM T 1 9.8 against 10.1 us, T 17 17.6 against 18.0) and for the in-place
+    prefill over packed rows (twenty-second session, run EI, two rounds: DeepSeek packed decode T 256
+    361-362 against 378-379 us, at 16 heads 177 against 184); slower for the prefill over staged packed
+    rows (twelfth session, GLM: 333 against 339 TFLOPS)."""
+    if geo.kv_kind == "bf16":
+        return False
+    return split or geo.kv_kind != "packed" or not ws_staged(geo, block_i)
+
+
 def ws_paired_fits(geo: AttnGeometry, block_i: int) -> bool:
     """Whether the paired scheme of :func:`build_attn_ws` fits in shared memory: q, two stages and two
     probability tiles (warpgroup 0's in its stage's tail where that is as wide as a block)."""
@@ -759,12 +775,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
     check_ws_nreg(nreg, n_prod)
     rows_per_pass = 128 * n_prod // WS_THREADS_PER_ROW  # rows the producer threads fill at once
 
-    # which producer threads share a row (see ws_row_lane). Measured (H200, BENCHMARKS.md, twelfth
-    # session): quarters are faster for native FP8 rows (GLM prefill 375 against 358 TFLOPS, DeepSeek 404
-    # against 388; GLM decode T 17 16.6 against 17.0 us) and for the split kernel over packed rows (GLM
-    # T 1 9.8 against 10.1 us, T 17 17.6 against 18.0), slower for the prefill over packed rows (333
-    # against 339). bf16 rows are copied straight into the stage, 16 bytes per lane: no conflict either way.
-    quarters = not copies_async and (split or not packed)
+    quarters = ws_quarters(geo, split, block_i)  # which producer threads share a row
 
     def prow(tx):
         return ws_row_lane(tx, quarters)[0]

@@ -414,3 +414,22 @@ def test_producer_rows_and_lanes(quarters):
                 chunk = 2 * lane + half  # 16-byte chunk of the row's 128 bf16 values
                 groups.add(chunk % 8 ^ row % 8)  # its place in a 128-byte swizzle atom
             assert len(groups) == (8 if quarters else 4)
+
+
+@pytest.mark.parametrize("name, kind, path, quarters", [
+    ("glm-256+0-h64", "bf16", 0, False),  # bf16 rows: cp.async straight into the stage
+    ("glm-256+0-h64", "packed", 0, False),  # the prefill over staged packed rows
+    ("glm-256+0-h64", "packed", 1, True),  # its split kernel
+    ("glm-256+0-h64", "fp8", 0, True),
+    ("deepseek-512+64-h128", "packed", 0, True),  # in place: the DeepSeek packed decode of T 256 runs here
+    ("deepseek-512+64-h128", "packed", 1, True),
+    ("deepseek-512+64-h128", "fp8", 0, True),
+])
+def test_quarter_warp_rows(name, kind, path, quarters):
+    # which warp-specialized kernels map producer threads to rows by quarter warps (ws_quarters;
+    # measured choices, BENCHMARKS.md)
+    from csrc_tl.sparse_attn import ws_block, ws_quarters
+
+    key = attn_keys(name, kind)[path]
+    assert key.family.endswith("_ws")
+    assert ws_quarters(key.spec, path == 1, ws_block(key.spec, path == 1)) is quarters
