@@ -543,10 +543,17 @@ def ws_inplace_raw_col(group: int, lane):
 
 
 def ws_block(geo: AttnGeometry, split: bool) -> int:
-    """Top-k rows per block of :func:`build_attn_ws`: 128 for the prefill of narrow bf16 rows (two
-    stages of 128 rows still fit beside q; halves the score GEMMs' re-reads of q per row), else 64.
-    The split kernel keeps 64: its splits are whole blocks of the top-k range."""
-    return 128 if not split and geo.kv_kind == "bf16" and geo.d_qk <= 256 else 64
+    """Top-k rows per block of :func:`build_attn_ws`: 128 for the prefill of narrow bf16 or native FP8
+    rows (two bf16 stages of 128 rows still fit beside q, and for FP8 rows two raw stages of
+    :data:`WS_RAW_ROWS`; halves the score GEMMs' re-reads of q per row), else 64. The split kernel keeps
+    64: its splits are whole blocks of the top-k range.
+
+    Measured (H200, BENCHMARKS.md, twenty-second session, run EK, two rounds): GLM native FP8 prefill
+    1288 against 1422-1424 us at 128-row blocks; GLM packed prefill 1632-1633 against 1582-1585 (at 8
+    heads 1601-1602 against 1555-1556), so packed rows keep 64."""
+    if split or geo.d_qk > 256 or geo.kv_kind == "packed":
+        return 64
+    return 128 if geo.kv_kind == "bf16" or ws_staged(geo, 128) else 64
 
 
 # Paired consumer warpgroups hand each other their final row sums through a static shared array that
@@ -656,20 +663,25 @@ WS_INPLACE_AHEAD = 2
 # Bytes after each row of a raw FP8 stage (with `quarters` in build_attn_ws): the two rows a quarter
 # warp reads or writes at once then lie on different banks.
 RAW_PAD = 64
+# Rows of a raw FP8 stage: the staged producer fills a bf16 stage of 128 rows from two 64-row raw copies
+# (the second copied while the first is widened), so that two 128-row stages fit beside q.
+WS_RAW_ROWS = 64
 
 
 def ws_staged(geo: AttnGeometry, block_i: int = 64) -> bool:
-    """Whether :func:`build_attn_ws` stages FP8 rows raw: the producer copies the rows of top-k block
-    ``b + 1`` into one of two raw shared buffers by cp.async (no registers, no wait) while it widens
-    block ``b`` shared-to-shared, so the gather of one block runs behind the widening of the other.
-    Needs the raw stages to fit beside q and the two bf16 stages: the 256-wide rows fit, the 512+64
-    rows do not (they are widened in place, in their bf16 stage)."""
+    """Whether :func:`build_attn_ws` stages FP8 rows raw, for blocks of ``block_i`` rows: the producer
+    copies the next :data:`WS_RAW_ROWS` rows (or the next block, if smaller) into one of two raw shared
+    buffers by cp.async (no registers, no wait) while it widens the current ones shared-to-shared, so
+    the gather runs behind the widening. Needs the raw stages to fit beside q and the two bf16 stages:
+    the 256-wide rows fit (at 128-row blocks too), the 512+64 rows do not (they are widened in place, in
+    their bf16 stage)."""
     if geo.kv_kind == "bf16":
         return False
     hb, d_qk = MAX_HEAD_BLOCK, geo.d_qk
     # scales go to registers; RAW_PAD is counted for every kernel, though only those with quarters pad
     raw_row = geo.d_v + RAW_PAD + geo.d_rope * (2 if geo.kv_kind == "packed" else 1)
-    return 2 * hb * d_qk + 2 * 2 * block_i * d_qk + 2 * block_i * raw_row + 2 * hb * block_i + 4096 <= SMEM_LIMIT
+    raw_rows = min(block_i, WS_RAW_ROWS)
+    return 2 * hb * d_qk + 2 * 2 * block_i * d_qk + 2 * raw_rows * raw_row + 2 * hb * block_i + 4096 <= SMEM_LIMIT
 
 
 def ws_quarters(geo: AttnGeometry, split: bool, block_i: int = 64) -> bool:
@@ -782,7 +794,10 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
 
     def plane(tx):
         return ws_row_lane(tx, quarters)[1]
-    passes = block_i // rows_per_pass
+    # rows of a producer block: the staged producer fills a stage from raw copies of WS_RAW_ROWS rows
+    block_p = min(block_i, WS_RAW_ROWS) if staged else block_i
+    subs = block_i // block_p  # producer blocks per stage
+    passes = block_p // rows_per_pass
     ready_count = 128 * n_prod * (2 if copies_async else 1)  # producer threads arrive once, or twice with cp.async
     n_tiles = d_v // QUANT_TILE
     piece = 16 if row_w % 16 == 0 else 8  # bytes of one cp.async of FP8 values (row starts are piece-aligned)
@@ -796,18 +811,18 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                 T.view(kv, (s_count, row_w // 2), dtype))
 
     def entry_ok(blk, j, stop, raw):
-        """Whether entry ``j`` of top-k block ``blk``, raw index ``raw``, is valid: before ``stop`` and
-        a row of the pool."""
-        return (blk * block_i + j < stop) & (raw >= 0) & (raw < s_count)
+        """Whether entry ``j`` of producer block ``blk`` (``block_p`` rows), raw index ``raw``, is valid:
+        before ``stop`` and a row of the pool."""
+        return (blk * block_p + j < stop) & (raw >= 0) & (raw < s_count)
 
     @T.macro
     def load_index(indices, t, blk, slot):
-        """``slot[p]``: the raw index of this thread's row in pass ``p`` of top-k block ``blk`` (clamped
+        """``slot[p]``: the raw index of this thread's row in pass ``p`` of producer block ``blk`` (clamped
         into the row, unchecked). Nothing here reads the loaded values, so the loads stay in flight
         until :func:`issue_raw` checks them, a block later."""
         tx = T.get_thread_binding() - 2 * 128
         for p in T.unroll(passes):
-            pos = blk * block_i + p * rows_per_pass + prow(tx)
+            pos = blk * block_p + p * rows_per_pass + prow(tx)
             slot[p] = indices[t, T.min(pos, k_count - 1)]
 
     @T.macro
@@ -884,7 +899,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         T.barrier_arrive(ready)
         T.cp_async_barrier_noinc(ready)  # (see produce)
 
-    def widen(raw_v, dst_l, dst_r, sc, p, j, lane):
+    def widen(raw_v, dst_l, dst_r, sc, p, j, lane, off=0):
         """The call that widens this thread's chunks of row ``j`` (pass ``p``) into ``dst_l`` / ``dst_r``,
         from the raw stage ``raw_v`` or, if it is None, in place (raw values at :func:`ws_inplace_raw_col`,
         widened after a warp sync); ``sc[p, :]`` the row's tile scales (packed rows). Chunk ``c`` of a half
@@ -896,7 +911,8 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
             col = (c * WS_THREADS_PER_ROW + lane) * vec
             for dst, base, tile in ((dst_l, 0, c), (dst_r, half, half // QUANT_TILE + c)):
                 raw = T.address_of(dst[j, ws_inplace_raw_col(c, lane)] if raw_v is None else raw_v[j, base + col])
-                args += [raw, T.address_of(dst[j, col]), T.address_of(dst[j, col + 8]), sc[p, tile] if packed else 1.0]
+                args += [raw, T.address_of(dst[off + j, col]), T.address_of(dst[off + j, col + 8]),
+                         sc[p, tile] if packed else 1.0]
         flags = f"{'true' if packed else 'false'}, {'false' if raw_v is not None else 'true'}"  # kScaled, kSync
         return T.call_extern("handle", f"dsa_widen<{flags}>", *args)
 
@@ -944,8 +960,9 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         T.ptx_commit_group()
 
     @T.macro
-    def widen_raw(ok, raw_v, raw_t, raw_sc, dst_l, dst_r, dst_t, ok_s):
-        """Widen this thread's bytes of a raw stage into the bf16 stage (zeros stay zeros)."""
+    def widen_raw(ok, raw_v, raw_t, raw_sc, dst_l, dst_r, dst_t, ok_s, off):
+        """Widen this thread's bytes of a raw stage into rows ``[off, off + block_p)`` of the bf16 stage
+        (zeros stay zeros)."""
         tx = T.get_thread_binding() - 2 * 128
         lane = plane(tx)
         # Measured (H200, BENCHMARKS.md): the rows of a packed pool widen faster through TileLang's
@@ -954,40 +971,44 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         if not packed:
             for p in T.unroll(passes):
                 j = p * rows_per_pass + prow(tx)
-                widen(raw_v, dst_l, dst_r, raw_sc, p, j, lane)
+                widen(raw_v, dst_l, dst_r, raw_sc, p, j, lane, off)
         for p in T.unroll(passes):
             j = p * rows_per_pass + prow(tx)
-            ok_s[j] = ok[p]
+            ok_s[off + j] = ok[p]
             if packed:
                 for c in T.unroll(chunks // 2):  # a thread's chunk c of each half lies in tile c of that half
                     col = (c * WS_THREADS_PER_ROW + lane) * vec
                     sc_l = raw_sc[p, c]
                     sc_r = raw_sc[p, half // QUANT_TILE + c]
                     for v in T.vectorized(vec):
-                        dst_l[j, col + v] = T.cast(T.cast(raw_v[j, col + v], acc) * sc_l, dtype)
+                        dst_l[off + j, col + v] = T.cast(T.cast(raw_v[j, col + v], acc) * sc_l, dtype)
                     for v in T.vectorized(vec):
-                        dst_r[j, col + v] = T.cast(T.cast(raw_v[j, half + col + v], acc) * sc_r, dtype)
+                        dst_r[off + j, col + v] = T.cast(T.cast(raw_v[j, half + col + v], acc) * sc_r, dtype)
             if d_tail:
                 for c in T.unroll(tail_chunks):
                     col = (c * WS_THREADS_PER_ROW + lane) * 8
                     for v in T.vectorized(8):
-                        dst_t[j, col + v] = T.cast(raw_t[j, col + v], dtype)
+                        dst_t[off + j, col + v] = T.cast(raw_t[j, col + v], dtype)
 
     @T.macro
     def produce_staged(kv, indices, t, blk, stop, nxt, ok_now, ok_next, raw_next, raw_now, dst_l, dst_r, dst_t, ok_s,
-                       ready, free, phase):
-        """One top-k block of the staged producer: start the raw copy of block ``blk + 1`` (its indices
-        ``nxt`` were loaded one block earlier) and the index loads of ``blk + 2``, then widen block
-        ``blk``, whose raw copy was started one block earlier."""
+                       ready, free, phase, sub):
+        """One producer block (``block_p`` rows) of the staged producer: start the raw copy of block
+        ``blk + 1`` (its indices ``nxt`` were loaded one block earlier) and the index loads of ``blk + 2``,
+        then widen block ``blk``, whose raw copy was started one block earlier, into part ``sub`` of
+        its stage (rows ``sub * block_p`` on): the first part waits for the stage to be free, the last
+        one marks it ready."""
         issue_raw(kv, nxt, blk + 1, stop, ok_next, *raw_next)
         load_index(indices, t, blk + 2, nxt)
         # this thread's copies of block blk have landed (its own bytes only, so no barrier; and
         # T.ptx_wait_group would add a block-wide one)
         T.call_extern("handle", "tl::cp_async_wait<1>")
-        T.barrier_wait(free, phase ^ 1)
-        widen_raw(ok_now, *raw_now, dst_l, dst_r, dst_t, ok_s)
-        T.fence_proxy_async()
-        T.barrier_arrive(ready)
+        if sub == 0:
+            T.barrier_wait(free, phase ^ 1)
+        widen_raw(ok_now, *raw_now, dst_l, dst_r, dst_t, ok_s, sub * block_p)
+        if sub == subs - 1:
+            T.fence_proxy_async()
+            T.barrier_arrive(ready)
 
     @T.macro
     def produce_inplace(kv, indices, t, blk, stop, nxt, sc, dst_l, dst_r, dst_t, ok_s, ready, free, phase):
@@ -1119,8 +1140,8 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
             else:
                 qt_s = kt_s0 = kt_s1 = None
             if staged:
-                raw0, raw1 = [(T.alloc_shared((block_i, d_v + (RAW_PAD if quarters else 0)), T.float8_e4m3fn),
-                               T.alloc_shared((block_i, d_tail), dtype if packed else T.float8_e4m3fn)
+                raw0, raw1 = [(T.alloc_shared((block_p, d_v + (RAW_PAD if quarters else 0)), T.float8_e4m3fn),
+                               T.alloc_shared((block_p, d_tail), dtype if packed else T.float8_e4m3fn)
                                if d_tail else None)
                               for _ in range(2)]
             ok0 = T.alloc_shared((block_i,), T.int32)
@@ -1458,18 +1479,22 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                     # copy waits for its own, and the second's (issued before the first is widened)
                     # then has its indices at hand instead of a load round trip later
                     nxt2 = T.alloc_local((passes,), T.int32)
-                    load_index(indices, t, first, nxt)
-                    load_index(indices, t, first + 1, nxt2)
-                    issue_raw(kv, nxt, first, stop, ok_a, *raw_a)
+                    # (producer blocks: `subs` per stage; their raw stages alternate, raw0 first in a pair)
+                    load_index(indices, t, first * subs, nxt)
+                    load_index(indices, t, first * subs + 1, nxt2)
+                    issue_raw(kv, nxt, first * subs, stop, ok_a, *raw_a)
                     for p in T.unroll(passes):
                         nxt[p] = nxt2[p]
+                    parts = ((ok_a, ok_b, raw_b, raw_a), (ok_b, ok_a, raw_a, raw_b))  # (now, next) by parity
                     for pair in T.serial(pairs):
-                        blk = first + 2 * pair
-                        produce_staged(kv, indices, t, blk, stop, nxt, ok_a, ok_b, raw_b, raw_a, kv_l0, kv_r0, kt_s0,
-                                       ok0, ready0, free0, pair & 1)
+                        blk = (first + 2 * pair) * subs
+                        for sub in tuple(range(subs)):
+                            produce_staged(kv, indices, t, blk + sub, stop, nxt, *parts[sub % 2], kv_l0, kv_r0, kt_s0,
+                                           ok0, ready0, free0, pair & 1, sub)
                         if not split or 2 * pair + 1 < n_blk:  # (a split kernel walks no padding block)
-                            produce_staged(kv, indices, t, blk + 1, stop, nxt, ok_b, ok_a, raw_a, raw_b, kv_l1, kv_r1,
-                                           kt_s1, ok1, ready1, free1, pair & 1)
+                            for sub in tuple(range(subs)):
+                                produce_staged(kv, indices, t, blk + subs + sub, stop, nxt, *parts[(subs + sub) % 2],
+                                               kv_l1, kv_r1, kt_s1, ok1, ready1, free1, pair & 1, sub)
                     T.call_extern("handle", "tl::cp_async_wait<0>")  # the last (empty) copies land before exit
                 elif halves:
                     # the halves of a pair in the order the consumers free them (FlashMLA's): stage 0's

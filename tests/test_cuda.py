@@ -53,7 +53,8 @@ def attn_suite_keys(target=None):
             kv_kind, q_fp8 = kernel_kind(kind)
             keys += dsa._cuda.attn_keys(kv_kind, d_v, d_rope, heads, (d_v + d_rope) ** -0.5, False, target=target,
                                         q_fp8=q_fp8)
-    for (d_v, d_rope, heads), kind in [(DEEPSEEK, "bf16"), (DEEPSEEK, "packed"), (DEEPSEEK, "fp8"), (GLM, "packed")]:
+    for (d_v, d_rope, heads), kind in [(DEEPSEEK, "bf16"), (DEEPSEEK, "packed"), (DEEPSEEK, "fp8"), (GLM, "packed"),
+                                       (GLM, "fp8")]:
         kv_kind, q_fp8 = kernel_kind(kind)
         keys += dsa._cuda.attn_keys(kv_kind, d_v, d_rope, heads, (d_v + d_rope) ** -0.5, True, target=target,
                                     q_fp8=q_fp8)
@@ -305,7 +306,7 @@ def test_glm_decode_coverage(kind, t_count, topk, pad_from):
 
 @pytest.mark.parametrize("kind", ["bf16", "packed", "fp8"])
 def test_glm_prefill_partial_last_block(kind):
-    # 2112 entries are 16.5 blocks of the 128-row prefill kernel (bf16); 2051 valid, the rest -1
+    # 2112 entries are 16.5 blocks of the 128-row prefill kernels (bf16, native FP8); 2051 valid, the rest -1
     got, want = run_both(attn_inputs(GLM, kind, 200, 2112, pad_from=2051))
     check_attn(got, want)
 
@@ -326,6 +327,17 @@ def test_topk_length(kind, t_count):
     inputs = attn_inputs(DEEPSEEK, kind, t_count, 512, seed=7)
     lengths = torch.randint(-3, 600, (t_count,), generator=gen(3), dtype=torch.int32)
     lengths[0], lengths[-1] = 0, 512
+    got, want = run_both(inputs, lengths)
+    check_attn(got, want)
+
+
+@pytest.mark.parametrize("kind", ["packed", "fp8", "fp8-kv"])
+def test_topk_length_glm_prefill(kind):
+    # GLM's prefill kernels over FP8 rows (native FP8: 128-row blocks filled from two 64-row raw copies)
+    # with lengths that end inside a raw copy, on a 64-row boundary, past the last block and at 0
+    inputs = attn_inputs(GLM, kind, 300, 2112, seed=5)
+    lengths = torch.randint(-3, 2200, (300,), generator=gen(4), dtype=torch.int32)
+    lengths[:4] = torch.tensor([0, 64, 100, 2112], dtype=torch.int32)
     got, want = run_both(inputs, lengths)
     check_attn(got, want)
 

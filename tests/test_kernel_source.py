@@ -180,7 +180,8 @@ NVCC = shutil.which("nvcc")
     [cache_key("store_k_cache", "656", "int64"), cache_key("gather_dequant_k_cache", "264"),
      *attn_keys("glm-256+0-h64", "bf16"), *attn_keys("deepseek-512+64-h128", "packed", has_len=True)[:2],
      *attn_keys("deepseek-512+64-h128", "fp8")[:2], attn_keys("deepseek-512+64-h128", "bf16")[0],
-     attn_keys("deepseek-512+64-h128", "bf16", has_len=True)[0]],
+     attn_keys("deepseek-512+64-h128", "bf16", has_len=True)[0], attn_keys("glm-256+0-h64", "fp8", has_len=True)[0],
+     attn_keys("glm-256+0-h64", "packed")[0]],
     ids=lambda k: k.name,
 )
 def test_cuda_sources_compile_for_sm90a(key, tmp_path):
@@ -433,3 +434,30 @@ def test_quarter_warp_rows(name, kind, path, quarters):
     key = attn_keys(name, kind)[path]
     assert key.family.endswith("_ws")
     assert ws_quarters(key.spec, path == 1, ws_block(key.spec, path == 1)) is quarters
+
+
+@pytest.mark.parametrize("name, kind, path, rows", [
+    ("glm-256+0-h64", "bf16", 0, 128),
+    ("glm-256+0-h64", "fp8", 0, 128),  # native FP8 rows: two 64-row raw copies fill a 128-row stage
+    ("glm-256+0-h64", "packed", 0, 64),  # measured slower at 128 (BENCHMARKS.md, twenty-second session)
+    ("glm-256+0-h64", "fp8", 1, 64),  # split kernels: whole 64-row blocks
+    ("deepseek-512+64-h128", "fp8", 0, 64),
+    ("deepseek-512+64-h128", "bf16", 0, 64),
+])
+def test_ws_block_rows(name, kind, path, rows):
+    from csrc_tl.sparse_attn import ws_block
+
+    key = attn_keys(name, kind)[path]
+    assert ws_block(key.spec, path == 1) == rows
+
+
+@pytest.mark.parametrize("kind, parts", [("fp8", 2), ("packed", 1)])
+def test_staged_producer_parts_per_stage(kind, parts):
+    # the staged producer (GLM prefill) widens a stage from `parts` raw copies of 64 rows: one wait for
+    # its own copies per part, one wait for the stage to be free and one fence before its ready arrival
+    # per stage (two stages in the pair loop)
+    key = attn_keys("glm-256+0-h64", kind)[0]
+    producer = kernel_body(source(key, "cuda")).split("warpgroup_reg_dealloc")[1]
+    assert producer.count("tl::cp_async_wait<1>") == 2 * parts
+    assert len(re.findall(r"free[01]\[0\]\.wait\(", producer)) == 2
+    assert producer.count("fence_proxy_async") == 2
