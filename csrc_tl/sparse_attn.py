@@ -735,8 +735,9 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
     :func:`build_combine` (both launched as programmatic dependents, see ``attend``). The producer loads
     the indices of a top-k block one block ahead and issues every row load of a stage predicated, with
     no branches, so they are in flight together: bf16 rows by cp.async straight into shared memory (the
-    copies arrive on the stage barrier when they land); staged FP8 rows by cp.async into a raw stage one
-    block ahead, then widened shared-to-shared; other FP8 rows by cp.async into their own bf16 stage and
+    copies arrive on the stage barrier when they land); staged FP8 rows by cp.async into a raw stage of
+    :data:`WS_RAW_ROWS` rows one producer block ahead (a 128-row stage takes two), then widened
+    shared-to-shared; other FP8 rows by cp.async into their own bf16 stage and
     widened there (``produce_inplace``).
     Rows of invalid entries are written as zeros (never dereferenced) and their scores are -inf, so
     they weigh 0. ``producers`` (1 or 2 warpgroups) defaults to 2 for staged rows, else 1.
