@@ -634,6 +634,48 @@ __device__ __forceinline__ void dsa_cp_async(void* smem, const void* gmem, bool 
 }
 """
 
+# The staged producer's copies of packed rows by the TMA unit (ws_bulk): one bulk copy per row, issued by the
+# row's first lane, completing on the raw stage's mbarrier; other lanes only zero their chunks of an invalid
+# row (no copy lands there).
+WS_BULK = """
+// A packed row's kBytes FP8 values by one bulk copy into its raw slot (16-byte aligned). A row whose start
+// lies 8 bytes past a 16-byte boundary is copied from that boundary, kBytes + 16 bytes (the previous row's
+// scales first, its own last, all inside the pool), so its values land `shift` = 8 bytes into the slot.
+// The issuing lane arrives on `bar` expecting the copy's bytes (an invalid row: a plain arrival).
+template <int kBytes>
+__device__ __forceinline__ void dsa_bulk_row(void* slot, const void* row, int shift, void* bar, bool issuer, bool ok) {
+  if (!issuer) return;
+  unsigned b = (unsigned)__cvta_generic_to_shared(bar);
+  if (ok) {
+    unsigned s = (unsigned)__cvta_generic_to_shared(slot), n = kBytes + 2 * shift;
+    const char* src = reinterpret_cast<const char*>(row) - shift;
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(b), "r"(n) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(s), "l"(src), "r"(n), "r"(b) : "memory");
+  } else {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(b) : "memory");
+  }
+}
+// 16 zero bytes where a lane widens a chunk of an invalid row (its slot holds stale bytes, maybe NaN codes)
+__device__ __forceinline__ void dsa_zero16(void* p, bool ok) {
+  if (!ok) *reinterpret_cast<uint4*>(p) = make_uint4(0u, 0u, 0u, 0u);
+}
+// 16 FP8 values at raw (8-byte aligned: the row may lie 8 bytes into its slot) times scale, widened into 8
+// bf16 values at d0 and 8 at d1 (dsa_widen8 of WS_WIDEN)
+__device__ __forceinline__ void dsa_widen_bulk(const void* raw, void* d0, void* d1, float scale) {
+  const uint2* r = reinterpret_cast<const uint2*>(raw);
+  uint2 a = r[0], b = r[1];
+  *reinterpret_cast<uint4*>(d0) = dsa_widen8(a.x, a.y, scale, true);
+  *reinterpret_cast<uint4*>(d1) = dsa_widen8(b.x, b.y, scale, true);
+}
+// The lanes of a warp (which hold whole rows) are done reading their raw slots through the generic proxy
+// before the bulk copies (async proxy) refill them.
+__device__ __forceinline__ void dsa_bulk_reuse() {
+  __syncwarp();
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+"""
+
 # The split kernels' partial stores (store_rows with a warpgroup): bf16 values into a shared tile, a named
 # barrier of one warpgroup, 16-byte copies to global memory.
 WS_STORE = """
@@ -700,6 +742,16 @@ def ws_quarters(geo: AttnGeometry, split: bool, block_i: int = 64) -> bool:
     return split or geo.kv_kind != "packed" or not ws_staged(geo, block_i)
 
 
+def ws_bulk(geo: AttnGeometry, split: bool, block_i: int = 64) -> bool:
+    """Whether the staged producer of :func:`build_attn_ws` copies each packed row into its raw stage by one
+    bulk copy of the TMA unit (``dsa_bulk_row``) instead of per-thread ``cp.async`` pieces: for staged
+    packed rows without a tail, whose values are whole 16-byte pieces from a start that is 16-byte aligned
+    or 8 bytes past it (the 264-byte GLM rows). Every thread of a row issued four 8-byte ``cp.async``
+    before (the rows are only 8-byte aligned); now one lane issues one copy."""
+    return (geo.kv_kind == "packed" and geo.d_rope == 0 and ws_staged(geo, block_i)
+            and geo.kv_row_width % 8 == 0 and geo.d_v % 16 == 0)
+
+
 def ws_paired_fits(geo: AttnGeometry, block_i: int) -> bool:
     """Whether the paired scheme of :func:`build_attn_ws` fits in shared memory: q, two stages and two
     probability tiles (warpgroup 0's in its stage's tail where that is as wide as a block)."""
@@ -719,7 +771,7 @@ WS_PASS_CONFIGS = {"tl.enable_fast_math": True}
 
 
 def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None = None,
-                  producers: int | None = None, nreg: tuple[int, int, int] | None = None):
+                  producers: int | None = None, nreg: tuple[int, int, int] | None = None, bulk: bool | None = None):
     """Warp-specialized prefill kernel for Hopper (sm_90, CUDA only: mbarriers and setmaxnreg): a
     producer warpgroup gathers (and for a packed pool dequantizes) the next top-k block into the
     other of two shared stages while two consumer warpgroups run the GEMMs and the softmax on the
@@ -789,6 +841,10 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
     rows_per_pass = 128 * n_prod // WS_THREADS_PER_ROW  # rows the producer threads fill at once
 
     quarters = ws_quarters(geo, split, block_i)  # which producer threads share a row
+    bulk = ws_bulk(geo, split, block_i) if bulk is None else bulk  # staged packed rows by one TMA bulk copy each
+    assert not bulk or (staged and packed and not d_tail), "bulk copies: staged packed rows without a tail"
+    # bytes of a raw slot: a bulk-copied row may land 8 bytes in, with 8 more bytes after its values
+    raw_w = d_v + (16 if bulk else RAW_PAD if quarters else 0)
 
     def prow(tx):
         return ws_row_lane(tx, quarters)[0]
@@ -917,8 +973,39 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         flags = f"{'true' if packed else 'false'}, {'false' if raw_v is not None else 'true'}"  # kScaled, kSync
         return T.call_extern("handle", f"dsa_widen<{flags}>", *args)
 
+    def widen_bulk(raw, dst, row, col, scale):
+        """The call that widens the 16 FP8 values at ``raw`` (8-byte aligned), times ``scale``, into columns
+        ``[col, col + 16)`` of ``dst``'s row ``row`` (``bulk``)."""
+        return T.call_extern("handle", "dsa_widen_bulk", T.address_of(raw), T.address_of(dst[row, col]),
+                             T.address_of(dst[row, col + 8]), scale)
+
     @T.macro
-    def issue_raw(kv, slot, blk, stop, ok, raw_v, raw_t, raw_sc):
+    def issue_bulk(kv, slot, blk, stop, ok, raw_v, raw_sc, landed):
+        """``bulk``: the rows of top-k block ``blk`` (raw indices in ``slot``) into a raw stage, one bulk copy
+        per row issued by its first lane, landing on ``landed``; each lane zeros its chunks of an invalid
+        row. ``ok[p]``: 0 if this thread's row of pass ``p`` is invalid, else 1 plus 1 where its values lie 8
+        bytes into the slot; ``raw_sc[p, :]`` its scales (registers, 0 for an invalid row)."""
+        tx = T.get_thread_binding() - 2 * 128
+        lane = plane(tx)
+        scales = T.view(kv, (s_count, row_w // 4), T.float32)
+        T.call_extern("handle", "dsa_bulk_reuse")
+        for p in T.unroll(passes):
+            j = p * rows_per_pass + prow(tx)
+            valid = entry_ok(blk, j, stop, slot[p])
+            row = T.if_then_else(valid, slot[p], 0)
+            shift = row % 2 * (row_w % 16)  # bytes the row's start lies past a 16-byte boundary
+            ok[p] = T.if_then_else(valid, 1 + shift // 8, 0)
+            T.call_extern("handle", f"dsa_bulk_row<{d_v}>", T.address_of(raw_v[j, 0]), T.address_of(kv[row, 0]),
+                          shift, T.address_of(landed[0]), lane == 0, valid)
+            for c in T.unroll(chunks // 2):
+                col = (c * WS_THREADS_PER_ROW + lane) * vec
+                T.call_extern("handle", "dsa_zero16", T.address_of(raw_v[j, col]), valid)
+                T.call_extern("handle", "dsa_zero16", T.address_of(raw_v[j, half + col]), valid)
+            for i in range(n_tiles):
+                raw_sc[p, i] = T.if_then_else(valid, scales[row, scale_word + i], 0.0)
+
+    @T.macro
+    def issue_cp_async(kv, slot, blk, stop, ok, raw_v, raw_t, raw_sc):
         """cp.async of the bytes this thread will widen for top-k block ``blk`` (its chunks of its rows;
         raw indices in ``slot``) into a raw stage, zeros for invalid entries; ``ok[p]`` whether its row
         of pass ``p`` is valid and, for a packed row, ``raw_sc[p, :]`` its scales (registers). One
@@ -961,7 +1048,16 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         T.ptx_commit_group()
 
     @T.macro
-    def widen_raw(ok, raw_v, raw_t, raw_sc, dst_l, dst_r, dst_t, ok_s, off):
+    def issue_raw(kv, slot, blk, stop, ok, raw_v, raw_t, raw_sc, landed):
+        """Start the copy of top-k block ``blk`` into a raw stage: :func:`issue_bulk` or
+        :func:`issue_cp_async`."""
+        if bulk:
+            issue_bulk(kv, slot, blk, stop, ok, raw_v, raw_sc, landed)
+        else:
+            issue_cp_async(kv, slot, blk, stop, ok, raw_v, raw_t, raw_sc)
+
+    @T.macro
+    def widen_raw(ok, raw_v, raw_t, raw_sc, landed, dst_l, dst_r, dst_t, ok_s, off):
         """Widen this thread's bytes of a raw stage into rows ``[off, off + block_p)`` of the bf16 stage
         (zeros stay zeros)."""
         tx = T.get_thread_binding() - 2 * 128
@@ -975,8 +1071,18 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                 widen(raw_v, dst_l, dst_r, raw_sc, p, j, lane, off)
         for p in T.unroll(passes):
             j = p * rows_per_pass + prow(tx)
-            ok_s[off + j] = ok[p]
-            if packed:
+            if not bulk:
+                ok_s[off + j] = ok[p]
+            if packed and bulk:
+                # the row's values lie 8 bytes into its slot where ok is 2 (8-byte loads). Flag and widening
+                # through T.address_of: TileLang put two producer-wide barriers in every pass around them
+                T.call_extern("handle", "dsa_put_flag", T.address_of(ok_s[off + j]), ok[p])
+                at = ok[p] // 2 * 8
+                for c in T.unroll(chunks // 2):  # a thread's chunk c of each half lies in tile c of that half
+                    col = (c * WS_THREADS_PER_ROW + lane) * vec
+                    widen_bulk(raw_v[j, at + col], dst_l, off + j, col, raw_sc[p, c])
+                    widen_bulk(raw_v[j, at + half + col], dst_r, off + j, col, raw_sc[p, half // QUANT_TILE + c])
+            elif packed:
                 for c in T.unroll(chunks // 2):  # a thread's chunk c of each half lies in tile c of that half
                     col = (c * WS_THREADS_PER_ROW + lane) * vec
                     sc_l = raw_sc[p, c]
@@ -993,7 +1099,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
 
     @T.macro
     def produce_staged(kv, indices, t, blk, stop, nxt, ok_now, ok_next, raw_next, raw_now, dst_l, dst_r, dst_t, ok_s,
-                       ready, free, phase, sub):
+                       ready, free, phase, sub, landed_phase):
         """One producer block (``block_p`` rows) of the staged producer: start the raw copy of block
         ``blk + 1`` (its indices ``nxt`` were loaded one block earlier) and the index loads of ``blk + 2``,
         then widen block ``blk``, whose raw copy was started one block earlier, into part ``sub`` of
@@ -1001,9 +1107,12 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         one marks it ready."""
         issue_raw(kv, nxt, blk + 1, stop, ok_next, *raw_next)
         load_index(indices, t, blk + 2, nxt)
-        # this thread's copies of block blk have landed (its own bytes only, so no barrier; and
-        # T.ptx_wait_group would add a block-wide one)
-        T.call_extern("handle", "tl::cp_async_wait<1>")
+        if bulk:
+            T.barrier_wait(raw_now[3], landed_phase)  # the bulk copies of block blk have landed
+        else:
+            # this thread's copies of block blk have landed (its own bytes only, so no barrier; and
+            # T.ptx_wait_group would add a block-wide one)
+            T.call_extern("handle", "tl::cp_async_wait<1>")
         if sub == 0:
             T.barrier_wait(free, phase ^ 1)
         widen_raw(ok_now, *raw_now, dst_l, dst_r, dst_t, ok_s, sub * block_p)
@@ -1113,9 +1222,9 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         T.fence_proxy_async()  # generic stores, read by wgmma through the async proxy
         T.barrier_arrive(q_ready)
 
-    calls_widen = inplace or (staged and not packed)  # (see widen_raw)
-    prelude = ((WS_PRELUDE if paired else "") + (WS_COPY if inplace or halves else "")
-               + (WS_WIDEN if calls_widen else "") + (WS_STORE if split else "")) or None
+    calls_widen = inplace or (staged and not packed) or bulk  # (see widen_raw)
+    prelude = ((WS_PRELUDE if paired else "") + (WS_COPY if inplace or halves or bulk else "")
+               + (WS_WIDEN if calls_widen else "") + (WS_BULK if bulk else "") + (WS_STORE if split else "")) or None
 
     @T.macro
     def attend(q, kv, indices, topk_length, out, lse):
@@ -1141,9 +1250,10 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
             else:
                 qt_s = kt_s0 = kt_s1 = None
             if staged:
-                raw0, raw1 = [(T.alloc_shared((block_p, d_v + (RAW_PAD if quarters else 0)), T.float8_e4m3fn),
+                raw0, raw1 = [(T.alloc_shared((block_p, raw_w), T.float8_e4m3fn),
                                T.alloc_shared((block_p, d_tail), dtype if packed else T.float8_e4m3fn)
-                               if d_tail else None)
+                               if d_tail else None,
+                               T.alloc_barrier(arrive_count=block_p) if bulk else None)  # (a row's first lane)
                               for _ in range(2)]
             ok0 = T.alloc_shared((block_i,), T.int32)
             ok1 = T.alloc_shared((block_i,), T.int32)
@@ -1474,8 +1584,8 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                     ok_a = T.alloc_local((passes,), T.int32)  # valid rows of the block in raw0
                     ok_b = T.alloc_local((passes,), T.int32)  # ... in raw1
                     # the packed rows' scales of the blocks in raw0 and raw1
-                    raw_a = (*raw0, T.alloc_local((passes, n_tiles), acc) if packed else None)
-                    raw_b = (*raw1, T.alloc_local((passes, n_tiles), acc) if packed else None)
+                    raw_a = (*raw0[:2], T.alloc_local((passes, n_tiles), acc) if packed else None, raw0[2])
+                    raw_b = (*raw1[:2], T.alloc_local((passes, n_tiles), acc) if packed else None, raw1[2])
                     # the indices of the first two blocks are loaded together: the first block's raw
                     # copy waits for its own, and the second's (issued before the first is widened)
                     # then has its indices at hand instead of a load round trip later
@@ -1489,14 +1599,17 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                     parts = ((ok_a, ok_b, raw_b, raw_a), (ok_b, ok_a, raw_a, raw_b))  # (now, next) by parity
                     for pair in T.serial(pairs):
                         blk = (first + 2 * pair) * subs
+                        # producer block k of the CTA (2 * subs a pair) is raw stage k % 2's use k // 2
                         for sub in tuple(range(subs)):
                             produce_staged(kv, indices, t, blk + sub, stop, nxt, *parts[sub % 2], kv_l0, kv_r0, kt_s0,
-                                           ok0, ready0, free0, pair & 1, sub)
+                                           ok0, ready0, free0, pair & 1, sub, (pair * subs + sub // 2) & 1)
                         if not split or 2 * pair + 1 < n_blk:  # (a split kernel walks no padding block)
                             for sub in tuple(range(subs)):
                                 produce_staged(kv, indices, t, blk + subs + sub, stop, nxt, *parts[(subs + sub) % 2],
-                                               kv_l1, kv_r1, kt_s1, ok1, ready1, free1, pair & 1, sub)
-                    T.call_extern("handle", "tl::cp_async_wait<0>")  # the last (empty) copies land before exit
+                                               kv_l1, kv_r1, kt_s1, ok1, ready1, free1, pair & 1, sub,
+                                               (pair * subs + (subs + sub) // 2) & 1)
+                    if not bulk:
+                        T.call_extern("handle", "tl::cp_async_wait<0>")  # the last (empty) copies land before exit
                 elif halves:
                     # the halves of a pair in the order the consumers free them (FlashMLA's): stage 0's
                     # left half, stage 1's right, stage 0's right, stage 1's left. The indices of the
