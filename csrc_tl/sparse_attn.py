@@ -545,14 +545,17 @@ def ws_inplace_raw_col(group: int, lane):
 def ws_block(geo: AttnGeometry, split: bool) -> int:
     """Top-k rows per block of :func:`build_attn_ws`: 128 for the prefill of narrow bf16 or native FP8
     rows (two bf16 stages of 128 rows still fit beside q, and for FP8 rows two raw stages of
-    :data:`WS_RAW_ROWS`; halves the score GEMMs' re-reads of q per row), else 64. The split kernel keeps
-    64: its splits are whole blocks of the top-k range.
+    :data:`WS_RAW_ROWS`; halves the score GEMMs' re-reads of q per row) and of narrow packed rows copied
+    by the TMA unit (:func:`ws_bulk`), else 64. The split kernel keeps 64: its splits are whole blocks of
+    the top-k range.
 
     Measured (H200, BENCHMARKS.md, twenty-second session, run EK, two rounds): GLM native FP8 prefill
-    1288 against 1422-1424 us at 128-row blocks; GLM packed prefill 1632-1633 against 1582-1585 (at 8
-    heads 1601-1602 against 1555-1556), so packed rows keep 64."""
-    if split or geo.d_qk > 256 or geo.kv_kind == "packed":
+    1288 against 1422-1424 us at 128-row blocks; GLM packed prefill with cp.async copies 1632-1633 against
+    1582-1585 (at 8 heads 1601-1602 against 1555-1556), so packed rows copied that way keep 64."""
+    if split or geo.d_qk > 256:
         return 64
+    if geo.kv_kind == "packed":
+        return 128 if ws_bulk(geo, split, 128) else 64
     return 128 if geo.kv_kind == "bf16" or ws_staged(geo, 128) else 64
 
 
@@ -638,6 +641,7 @@ __device__ __forceinline__ void dsa_cp_async(void* smem, const void* gmem, bool 
 # row's first lane, completing on the raw stage's mbarrier; other lanes only zero their chunks of an invalid
 # row (no copy lands there).
 WS_BULK = """
+#include <tl_templates/cuda/cuda_fp8.h>
 // A packed row's kBytes FP8 values by one bulk copy into its raw slot (16-byte aligned). A row whose start
 // lies 8 bytes past a 16-byte boundary is copied from that boundary, kBytes + 16 bytes (the previous row's
 // scales first, its own last, all inside the pool), so its values land `shift` = 8 bytes into the slot.
@@ -661,12 +665,21 @@ __device__ __forceinline__ void dsa_zero16(void* p, bool ok) {
   if (!ok) *reinterpret_cast<uint4*>(p) = make_uint4(0u, 0u, 0u, 0u);
 }
 // 16 FP8 values at raw (8-byte aligned: the row may lie 8 bytes into its slot) times scale, widened into 8
-// bf16 values at d0 and 8 at d1 (dsa_widen8 of WS_WIDEN)
+// bf16 values at d0 and 8 at d1, by the conversions TileLang's own casts generate
+__device__ __forceinline__ unsigned dsa_scaled_bf16x2(unsigned short v, float scale) {
+  float2 f = __tl_cvt_fp8x2_to_float2(v, __NV_E4M3);
+  __nv_bfloat162 r = __float22bfloat162_rn(make_float2(f.x * scale, f.y * scale));
+  return *reinterpret_cast<unsigned*>(&r);
+}
+__device__ __forceinline__ uint4 dsa_scaled_bf16x8(uint2 w, float scale) {
+  return make_uint4(dsa_scaled_bf16x2(w.x & 0xffff, scale), dsa_scaled_bf16x2(w.x >> 16, scale),
+                    dsa_scaled_bf16x2(w.y & 0xffff, scale), dsa_scaled_bf16x2(w.y >> 16, scale));
+}
 __device__ __forceinline__ void dsa_widen_bulk(const void* raw, void* d0, void* d1, float scale) {
   const uint2* r = reinterpret_cast<const uint2*>(raw);
   uint2 a = r[0], b = r[1];
-  *reinterpret_cast<uint4*>(d0) = dsa_widen8(a.x, a.y, scale, true);
-  *reinterpret_cast<uint4*>(d1) = dsa_widen8(b.x, b.y, scale, true);
+  *reinterpret_cast<uint4*>(d0) = dsa_scaled_bf16x8(a, scale);
+  *reinterpret_cast<uint4*>(d1) = dsa_scaled_bf16x8(b, scale);
 }
 // The lanes of a warp (which hold whole rows) are done reading their raw slots through the generic proxy
 // before the bulk copies (async proxy) refill them.
@@ -728,27 +741,35 @@ def ws_staged(geo: AttnGeometry, block_i: int = 64) -> bool:
 
 def ws_quarters(geo: AttnGeometry, split: bool, block_i: int = 64) -> bool:
     """Whether the producer of :func:`build_attn_ws` maps its threads to rows by quarter warps
-    (:func:`ws_row_lane`): for every FP8 kernel but the prefill over staged packed rows. bf16 rows are
-    copied straight into the stage, 16 bytes per lane: no conflict either way.
+    (:func:`ws_row_lane`): for every FP8 kernel but the prefill over staged packed rows copied by
+    ``cp.async`` (:func:`ws_bulk`). bf16 rows are copied straight into the stage, 16 bytes per lane: no
+    conflict either way.
 
     Measured (H200, BENCHMARKS.md): quarters are faster for native FP8 rows (twelfth session: GLM prefill
     375 against 358 TFLOPS, DeepSeek 404 against 388; GLM decode T 17 16.6 against 17.0 us), for the split
     kernel over packed rows (GLM T 1 9.8 against 10.1 us, T 17 17.6 against 18.0) and for the in-place
     prefill over packed rows (twenty-second session, run EI, two rounds: DeepSeek packed decode T 256
-    361-362 against 378-379 us, at 16 heads 177 against 184); slower for the prefill over staged packed
-    rows (twelfth session, GLM: 333 against 339 TFLOPS)."""
+    361-362 against 378-379 us, at 16 heads 177 against 184) and for the prefill over bulk-copied packed
+    rows (twenty-fourth session: GLM 1613 against 1645 us at 64-row blocks); slower for the prefill over
+    staged packed rows copied by ``cp.async`` (twelfth session, GLM: 333 against 339 TFLOPS)."""
     if geo.kv_kind == "bf16":
         return False
-    return split or geo.kv_kind != "packed" or not ws_staged(geo, block_i)
+    return split or geo.kv_kind != "packed" or not ws_staged(geo, block_i) or ws_bulk(geo, split, block_i)
 
 
 def ws_bulk(geo: AttnGeometry, split: bool, block_i: int = 64) -> bool:
     """Whether the staged producer of :func:`build_attn_ws` copies each packed row into its raw stage by one
-    bulk copy of the TMA unit (``dsa_bulk_row``) instead of per-thread ``cp.async`` pieces: for staged
-    packed rows without a tail, whose values are whole 16-byte pieces from a start that is 16-byte aligned
-    or 8 bytes past it (the 264-byte GLM rows). Every thread of a row issued four 8-byte ``cp.async``
-    before (the rows are only 8-byte aligned); now one lane issues one copy."""
-    return (geo.kv_kind == "packed" and geo.d_rope == 0 and ws_staged(geo, block_i)
+    bulk copy of the TMA unit (``dsa_bulk_row``: one lane per row issues it) instead of every lane's
+    ``cp.async`` pieces (four of 8 bytes a lane and row: the rows are only 8-byte aligned): for the
+    prefill over staged packed rows without a tail (GLM's 264-byte rows), whose values are whole 16-byte
+    pieces from a start that is 16-byte aligned or 8 bytes past it.
+
+    Measured (H200, BENCHMARKS.md, twenty-fourth session, one call each, two rounds): GLM packed prefill
+    1518-1525 against 1584 us, with quarters (:func:`ws_quarters`) and 128-row blocks (:func:`ws_block`);
+    1613 with quarters at 64-row blocks, 1645 at 64-row blocks without quarters (at 8 heads 1487-1489
+    against 1567-1570). The split kernels keep ``cp.async``: with bulk copies GLM packed decode T 17 took
+    15.0-15.4 against 14.5-14.7 us, T 1 8.3-8.6 against 8.0-8.1."""
+    return (not split and geo.kv_kind == "packed" and geo.d_rope == 0 and ws_staged(geo, block_i)
             and geo.kv_row_width % 8 == 0 and geo.d_v % 16 == 0)
 
 
@@ -1222,7 +1243,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         T.fence_proxy_async()  # generic stores, read by wgmma through the async proxy
         T.barrier_arrive(q_ready)
 
-    calls_widen = inplace or (staged and not packed) or bulk  # (see widen_raw)
+    calls_widen = inplace or (staged and not packed)  # (see widen_raw)
     prelude = ((WS_PRELUDE if paired else "") + (WS_COPY if inplace or halves or bulk else "")
                + (WS_WIDEN if calls_widen else "") + (WS_BULK if bulk else "") + (WS_STORE if split else "")) or None
 
