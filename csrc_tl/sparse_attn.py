@@ -642,23 +642,29 @@ __device__ __forceinline__ void dsa_cp_async(void* smem, const void* gmem, bool 
 # row (no copy lands there).
 WS_BULK = """
 #include <tl_templates/cuda/cuda_fp8.h>
-// A packed row's kBytes FP8 values by one bulk copy into its raw slot (16-byte aligned). A row whose start
-// lies 8 bytes past a 16-byte boundary is copied from that boundary, kBytes + 16 bytes (the previous row's
-// scales first, its own last, all inside the pool), so its values land `shift` = 8 bytes into the slot.
-// The issuing lane arrives on `bar` expecting the copy's bytes (an invalid row: a plain arrival).
-template <int kBytes>
-__device__ __forceinline__ void dsa_bulk_row(void* slot, const void* row, int shift, void* bar, bool issuer, bool ok) {
-  if (!issuer) return;
-  unsigned b = (unsigned)__cvta_generic_to_shared(bar);
-  if (ok) {
-    unsigned s = (unsigned)__cvta_generic_to_shared(slot), n = kBytes + 2 * shift;
-    const char* src = reinterpret_cast<const char*>(row) - shift;
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(b), "r"(n) : "memory");
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 :: "r"(s), "l"(src), "r"(n), "r"(b) : "memory");
-  } else {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(b) : "memory");
+// A packed row's kBytes FP8 values (rows 8-byte aligned, at least 8 bytes of scales after the values) by
+// one bulk copy into its raw slot (16-byte aligned). A row whose start lies 8 bytes past a 16-byte
+// boundary is copied from that boundary, kBytes + 16 bytes (8 bytes before the row first: the previous
+// row's scales, or for the pool's first row the rest of its 16-byte granule; the row's own scales last),
+// so its values land 8 bytes into the slot. The issuing lane arrives on `bar` expecting the copy's bytes
+// (an invalid row: a plain arrival). Every lane returns its row's flag: 0 invalid, 1 + (values 8 bytes in).
+template <int kBytes, int kRowBytes>
+__device__ __forceinline__ int dsa_bulk_row(void* slot, const void* pool, int index, void* bar, bool issuer, bool ok) {
+  const char* row = reinterpret_cast<const char*>(pool) + (long long)index * kRowBytes;
+  unsigned shift = (unsigned)(reinterpret_cast<unsigned long long>(row) & 15);
+  if (issuer) {
+    unsigned b = (unsigned)__cvta_generic_to_shared(bar);
+    if (ok) {
+      unsigned s = (unsigned)__cvta_generic_to_shared(slot), n = kBytes + 2 * shift;
+      const char* src = row - shift;
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(b), "r"(n) : "memory");
+      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                   :: "r"(s), "l"(src), "r"(n), "r"(b) : "memory");
+    } else {
+      asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(b) : "memory");
+    }
   }
+  return ok ? 1 + int(shift >> 3) : 0;
 }
 // 16 zero bytes where a lane widens a chunk of an invalid row (its slot holds stale bytes, maybe NaN codes)
 __device__ __forceinline__ void dsa_zero16(void* p, bool ok) {
@@ -770,7 +776,7 @@ def ws_bulk(geo: AttnGeometry, split: bool, block_i: int = 64) -> bool:
     against 1567-1570). The split kernels keep ``cp.async``: with bulk copies GLM packed decode T 17 took
     15.0-15.4 against 14.5-14.7 us, T 1 8.3-8.6 against 8.0-8.1."""
     return (not split and geo.kv_kind == "packed" and geo.d_rope == 0 and ws_staged(geo, block_i)
-            and geo.kv_row_width % 8 == 0 and geo.d_v % 16 == 0)
+            and geo.kv_row_width % 8 == 0 and geo.kv_row_width - geo.d_v >= 8)
 
 
 def ws_paired_fits(geo: AttnGeometry, block_i: int) -> bool:
@@ -792,7 +798,7 @@ WS_PASS_CONFIGS = {"tl.enable_fast_math": True}
 
 
 def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None = None,
-                  producers: int | None = None, nreg: tuple[int, int, int] | None = None, bulk: bool | None = None):
+                  producers: int | None = None, nreg: tuple[int, int, int] | None = None):
     """Warp-specialized prefill kernel for Hopper (sm_90, CUDA only: mbarriers and setmaxnreg): a
     producer warpgroup gathers (and for a packed pool dequantizes) the next top-k block into the
     other of two shared stages while two consumer warpgroups run the GEMMs and the softmax on the
@@ -862,7 +868,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
     rows_per_pass = 128 * n_prod // WS_THREADS_PER_ROW  # rows the producer threads fill at once
 
     quarters = ws_quarters(geo, split, block_i)  # which producer threads share a row
-    bulk = ws_bulk(geo, split, block_i) if bulk is None else bulk  # staged packed rows by one TMA bulk copy each
+    bulk = ws_bulk(geo, split, block_i)  # staged packed rows by one TMA bulk copy each
     assert not bulk or (staged and packed and not d_tail), "bulk copies: staged packed rows without a tail"
     # bytes of a raw slot: a bulk-copied row may land 8 bytes in, with 8 more bytes after its values
     raw_w = d_v + (16 if bulk else RAW_PAD if quarters else 0)
@@ -1008,16 +1014,14 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         bytes into the slot; ``raw_sc[p, :]`` its scales (registers, 0 for an invalid row)."""
         tx = T.get_thread_binding() - 2 * 128
         lane = plane(tx)
-        scales = T.view(kv, (s_count, row_w // 4), T.float32)
+        scales = row_views(kv)[1]
         T.call_extern("handle", "dsa_bulk_reuse")
         for p in T.unroll(passes):
             j = p * rows_per_pass + prow(tx)
             valid = entry_ok(blk, j, stop, slot[p])
             row = T.if_then_else(valid, slot[p], 0)
-            shift = row % 2 * (row_w % 16)  # bytes the row's start lies past a 16-byte boundary
-            ok[p] = T.if_then_else(valid, 1 + shift // 8, 0)
-            T.call_extern("handle", f"dsa_bulk_row<{d_v}>", T.address_of(raw_v[j, 0]), T.address_of(kv[row, 0]),
-                          shift, T.address_of(landed[0]), lane == 0, valid)
+            ok[p] = T.call_extern("int32", f"dsa_bulk_row<{d_v}, {row_w}>", T.address_of(raw_v[j, 0]),
+                                  T.address_of(kv[0, 0]), row, T.address_of(landed[0]), lane == 0, valid)
             for c in T.unroll(chunks // 2):
                 col = (c * WS_THREADS_PER_ROW + lane) * vec
                 T.call_extern("handle", "dsa_zero16", T.address_of(raw_v[j, col]), valid)
