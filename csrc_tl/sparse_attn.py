@@ -644,10 +644,11 @@ WS_BULK = """
 #include <tl_templates/cuda/cuda_fp8.h>
 // A packed row's kBytes FP8 values (rows 8-byte aligned, at least 8 bytes of scales after the values) by
 // one bulk copy into its raw slot (16-byte aligned). A row whose start lies 8 bytes past a 16-byte
-// boundary is copied from that boundary, kBytes + 16 bytes (8 bytes before the row first: the previous
-// row's scales, or for the pool's first row the rest of its 16-byte granule; the row's own scales last),
-// so its values land 8 bytes into the slot. The issuing lane arrives on `bar` expecting the copy's bytes
-// (an invalid row: a plain arrival). Every lane returns its row's flag: 0 invalid, 1 + (values 8 bytes in).
+// boundary is copied from that boundary, kBytes + 16 bytes (the previous row's scales first, its own
+// last), so its values land 8 bytes into the slot; the pool's first row has no row before it (a pool that
+// starts 8 bytes past a boundary): its first 8 values are stored by the issuing lane itself and the copy
+// starts 8 bytes into the row. The issuing lane arrives on `bar` expecting the copy's bytes (an invalid
+// row: a plain arrival). Every lane returns its row's flag: 0 invalid, 1 + (values 8 bytes in).
 template <int kBytes, int kRowBytes>
 __device__ __forceinline__ int dsa_bulk_row(void* slot, const void* pool, int index, void* bar, bool issuer, bool ok) {
   const char* row = reinterpret_cast<const char*>(pool) + (long long)index * kRowBytes;
@@ -657,6 +658,10 @@ __device__ __forceinline__ int dsa_bulk_row(void* slot, const void* pool, int in
     if (ok) {
       unsigned s = (unsigned)__cvta_generic_to_shared(slot), n = kBytes + 2 * shift;
       const char* src = row - shift;
+      if (shift != 0 && index == 0) {
+        *reinterpret_cast<uint2*>(reinterpret_cast<char*>(slot) + 8) = *reinterpret_cast<const uint2*>(row);
+        s += 16, n = kBytes, src = row + 8;
+      }
       asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(b), "r"(n) : "memory");
       asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                    :: "r"(s), "l"(src), "r"(n), "r"(b) : "memory");
