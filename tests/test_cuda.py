@@ -348,6 +348,24 @@ def test_topk_length_glm_prefill(kind):
     check_attn(got, want)
 
 
+@pytest.mark.parametrize("t_count", [1, 17, 300], ids=["decode", "decode-T17", "prefill"])
+def test_packed_pool_sliced_off_a_16_byte_boundary(t_count):
+    # GLM's 264-byte rows are 8-byte aligned only; a pool sliced from a larger one starts 8 bytes past a
+    # 16-byte boundary, and every row's offset from one flips: the prefill's bulk copies take each row's
+    # offset from its address (the pool's first row has a case of its own), the split kernels copy 8-byte
+    # pieces. Slot 0, the pool's first row, is selected by every token
+    q, kv, idx, sm_scale, d_v = attn_inputs(GLM, "packed", t_count, 2112, seed=11, pad_from=2051)
+    idx[:, 0] = 0
+    kv[0] = reference.quant_k_cache(torch.randn(1, d_v, generator=gen(12)).bfloat16(), None)[0]
+    want = reference.sparse_attn(q, kv, idx, sm_scale, d_v)
+    parent = torch.full((kv.shape[0] + 1, kv.shape[1]), 0xFF, dtype=torch.uint8, device="cuda")  # NaN codes
+    parent[1:] = kv.cuda()
+    pool = parent[1:]
+    assert pool.data_ptr() % 16 == 8
+    poison_allocator()
+    check_attn(dsa.sparse_attn(q.cuda(), pool, idx.cuda(), sm_scale, d_v), want)
+
+
 @pytest.mark.parametrize("kind", ["bf16", "fp8"])
 def test_repeatable_bit_for_bit(kind):
     q, kv, idx, s, d_v = [x.cuda() if isinstance(x, torch.Tensor) else x for x in attn_inputs(DEEPSEEK, kind, 9,

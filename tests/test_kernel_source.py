@@ -79,6 +79,8 @@ def test_attention_sources(name, kind, target):
             assert re.search(r"fp8_e4_t\* (__restrict__ )?(kv|words)\b", body)
     if ws:
         for key in keys[:2]:
+            # the prefill over staged packed rows without a tail copies each row by one TMA bulk copy
+            bulk = staged and kind == "packed" and not ATTN[name][1] and key.family == "attn_prefill_ws"
             # Each warpgroup role syncs its own warps only through named barriers no other role uses:
             # a shared id lets warps of two roles complete each other's barrier, a timing-dependent
             # deadlock (TileLang 0.1.15 gave the producer the first consumer's id after a cp.async wait).
@@ -91,11 +93,20 @@ def test_attention_sources(name, kind, target):
             assert not (ids[0] & ids[1] or ids[0] & ids[2] or ids[1] & ids[2]), ids
             assert all("__syncthreads" not in role for role in roles)
             # bf16 rows go to shared memory by cp.async and signal the stage barrier when they land;
-            # 256-wide FP8 rows are staged raw by cp.async and widened shared-to-shared, wider ones
-            # copied raw into their own stage and widened there (each thread waits for its own copies;
-            # in place, each row's lanes after a warp sync: dsa_widen<kScaled, kSync = true>)
-            assert "cp_async" in roles[2]
-            assert ("cp_async_wait" in roles[2]) == (kind != "bf16")
+            # 256-wide FP8 rows are staged raw by cp.async (packed rows in the prefill: by bulk copies
+            # that land on the raw stage's barrier) and widened shared-to-shared, wider ones copied raw
+            # into their own stage and widened there (each thread waits for its own copies; in place,
+            # each row's lanes after a warp sync: dsa_widen<kScaled, kSync = true>)
+            assert ("cp_async" in roles[2]) == (not bulk)
+            assert ("cp_async_wait" in roles[2]) == (kind != "bf16" and not bulk)
+            assert ("dsa_bulk_row<256, 264>(" in roles[2]) == bulk
+            if bulk:
+                # no barrier among the producer threads (TileLang's planner put two in every pass around
+                # reads at a data-dependent column); a warp sync and a proxy fence before each refill
+                assert "__sync_thread_partial" not in roles[2] and "dsa_widen_bulk(" in roles[2]
+                # before the first producer block and before each of the four of a pair loop step (64 rows each)
+                assert roles[2].count("dsa_bulk_reuse();") == 5
+                assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in source(key, target)
             assert bool(re.search(r"dsa_widen<false, false>\(", roles[2])) == (kind == "fp8" and staged)
             assert bool(re.search(r"dsa_widen<(true|false), true>\(", roles[2])) == (kind != "bf16" and not staged)
             # no barrier among the producer threads inside the loop of widening calls (TileLang puts one
@@ -419,7 +430,7 @@ def test_producer_rows_and_lanes(quarters):
 
 @pytest.mark.parametrize("name, kind, path, quarters", [
     ("glm-256+0-h64", "bf16", 0, False),  # bf16 rows: cp.async straight into the stage
-    ("glm-256+0-h64", "packed", 0, False),  # the prefill over staged packed rows
+    ("glm-256+0-h64", "packed", 0, True),  # the prefill over bulk-copied packed rows
     ("glm-256+0-h64", "packed", 1, True),  # its split kernel
     ("glm-256+0-h64", "fp8", 0, True),
     ("deepseek-512+64-h128", "packed", 0, True),  # in place: the DeepSeek packed decode of T 256 runs here
@@ -439,7 +450,8 @@ def test_quarter_warp_rows(name, kind, path, quarters):
 @pytest.mark.parametrize("name, kind, path, rows", [
     ("glm-256+0-h64", "bf16", 0, 128),
     ("glm-256+0-h64", "fp8", 0, 128),  # native FP8 rows: two 64-row raw copies fill a 128-row stage
-    ("glm-256+0-h64", "packed", 0, 64),  # measured slower at 128 (BENCHMARKS.md, twenty-second session)
+    ("glm-256+0-h64", "packed", 0, 128),  # bulk-copied rows (measured slower at 128 with cp.async copies)
+    ("glm-256+0-h64", "packed", 1, 64),
     ("glm-256+0-h64", "fp8", 1, 64),  # split kernels: whole 64-row blocks
     ("deepseek-512+64-h128", "fp8", 0, 64),
     ("deepseek-512+64-h128", "bf16", 0, 64),
@@ -451,13 +463,42 @@ def test_ws_block_rows(name, kind, path, rows):
     assert ws_block(key.spec, path == 1) == rows
 
 
-@pytest.mark.parametrize("kind, parts", [("fp8", 2), ("packed", 1)])
+@pytest.mark.parametrize("d_v, d_rope, kind, split, bulk", [
+    (256, 0, "packed", False, True),  # GLM's packed prefill
+    (256, 0, "packed", True, False),  # its split kernels: cp.async (measured faster there)
+    (256, 64, "packed", False, False),  # the 392-byte row: a tail (copied in 8-byte pieces)
+    (256, 0, "fp8", False, False),  # native FP8 rows: 16-byte aligned, cp.async of 16 bytes
+    (512, 64, "packed", False, False),  # widened in place
+    (512, 0, "packed", False, False),
+])
+def test_bulk_copied_rows(d_v, d_rope, kind, split, bulk):
+    # which staged producers copy each row by one TMA bulk copy (ws_bulk)
+    from csrc_tl.sparse_attn import AttnGeometry, ws_block, ws_bulk
+
+    geo = AttnGeometry(d_v, d_rope, 64, kind, False, (d_v + d_rope) ** -0.5)
+    assert ws_bulk(geo, split, ws_block(geo, split)) is bulk
+
+
+@pytest.mark.parametrize("kind, parts", [("fp8", 2), ("packed", 2)])
 def test_staged_producer_parts_per_stage(kind, parts):
     # the staged producer (GLM prefill) widens a stage from `parts` raw copies of 64 rows: one wait for
-    # its own copies per part, one wait for the stage to be free and one fence before its ready arrival
-    # per stage (two stages in the pair loop)
+    # its copies per part (its own cp.async copies, or the bulk copies on the raw stage's barrier), one
+    # wait for the stage to be free and one fence before its ready arrival per stage (two stages in the
+    # pair loop)
     key = attn_keys("glm-256+0-h64", kind)[0]
     producer = kernel_body(source(key, "cuda")).split("warpgroup_reg_dealloc")[1]
-    assert producer.count("tl::cp_async_wait<1>") == 2 * parts
+    if kind == "fp8":
+        assert producer.count("tl::cp_async_wait<1>") == 2 * parts
+    else:
+        # the raw stages' barriers, arrived on once per row by its issuing lane: producer block k of a
+        # CTA (four a pair of 128-row stages) waits on raw stage k % 2 for its use k // 2, so for its parity
+        bars = re.findall(r"(\w+)\[0\]\.init\(64\);", kernel_body(source(key, "cuda")))
+        assert len(bars) == 2
+        landed = [(bar, parity) for bar, parity in re.findall(r"(\w+)\[0\]\.wait\(([^;]*)\);", producer)
+                  if bar in bars]
+        assert len(landed) == 4 and landed[0][0] != landed[1][0]
+        assert [bar for bar, _ in landed] == [landed[0][0], landed[1][0]] * 2
+        for pair in range(3):
+            assert [eval(parity, {"pair": pair}) for _, parity in landed] == [(4 * pair + i) // 2 % 2 for i in range(4)]
     assert len(re.findall(r"free[01]\[0\]\.wait\(", producer)) == 2
     assert producer.count("fence_proxy_async") == 2
