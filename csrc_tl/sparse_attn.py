@@ -761,7 +761,7 @@ def ws_quarters(geo: AttnGeometry, split: bool, block_i: int = 64) -> bool:
     kernel over packed rows (GLM T 1 9.8 against 10.1 us, T 17 17.6 against 18.0) and for the in-place
     prefill over packed rows (twenty-second session, run EI, two rounds: DeepSeek packed decode T 256
     361-362 against 378-379 us, at 16 heads 177 against 184) and for the prefill over bulk-copied packed
-    rows (twenty-fourth session: GLM 1613 against 1645 us at 64-row blocks); slower for the prefill over
+    rows (twenty-fourth session, run ET: GLM 1610-1614 against 1645-1646 us at 64-row blocks); slower for the prefill over
     staged packed rows copied by ``cp.async`` (twelfth session, GLM: 333 against 339 TFLOPS)."""
     if geo.kv_kind == "bf16":
         return False
@@ -775,11 +775,11 @@ def ws_bulk(geo: AttnGeometry, split: bool, block_i: int = 64) -> bool:
     prefill over staged packed rows without a tail (GLM's 264-byte rows), whose values are whole 16-byte
     pieces from a start that is 16-byte aligned or 8 bytes past it.
 
-    Measured (H200, BENCHMARKS.md, twenty-fourth session, one call each, two rounds): GLM packed prefill
-    1518-1525 against 1584 us, with quarters (:func:`ws_quarters`) and 128-row blocks (:func:`ws_block`);
-    1613 with quarters at 64-row blocks, 1645 at 64-row blocks without quarters (at 8 heads 1487-1489
-    against 1567-1570). The split kernels keep ``cp.async``: with bulk copies GLM packed decode T 17 took
-    15.0-15.4 against 14.5-14.7 us, T 1 8.3-8.6 against 8.0-8.1."""
+    Measured (H200, BENCHMARKS.md, twenty-fourth session, runs ES to EU, two rounds a call): GLM packed
+    prefill 1518-1525 against 1583-1585 us (at 8 heads 1487-1491 against 1555-1570) with quarters
+    (:func:`ws_quarters`) and 128-row blocks (:func:`ws_block`); at 64-row blocks 1610-1614 with quarters,
+    1643-1646 without. The split kernels keep ``cp.async``: with bulk copies GLM packed decode T 17 took
+    15.0-15.4 against 14.4-14.7 us, T 1 8.3-8.6 against 8.0-8.1."""
     return (not split and geo.kv_kind == "packed" and geo.d_rope == 0 and ws_staged(geo, block_i)
             and geo.kv_row_width % 8 == 0 and geo.kv_row_width - geo.d_v >= 8)
 
@@ -819,10 +819,10 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
     :func:`build_combine` (both launched as programmatic dependents, see ``attend``). The producer loads
     the indices of a top-k block one block ahead and issues every row load of a stage predicated, with
     no branches, so they are in flight together: bf16 rows by cp.async straight into shared memory (the
-    copies arrive on the stage barrier when they land); staged FP8 rows by cp.async into a raw stage of
-    :data:`WS_RAW_ROWS` rows one producer block ahead (a 128-row stage takes two), then widened
-    shared-to-shared; other FP8 rows by cp.async into their own bf16 stage and
-    widened there (``produce_inplace``).
+    copies arrive on the stage barrier when they land); staged FP8 rows by cp.async (packed rows of the
+    prefill: one TMA bulk copy per row, :func:`ws_bulk`) into a raw stage of :data:`WS_RAW_ROWS` rows one
+    producer block ahead (a 128-row stage takes two), then widened shared-to-shared; other FP8 rows by
+    cp.async into their own bf16 stage and widened there (``produce_inplace``).
     Rows of invalid entries are written as zeros (never dereferenced) and their scores are -inf, so
     they weigh 0. ``producers`` (1 or 2 warpgroups) defaults to 2 for staged rows, else 1.
     """
