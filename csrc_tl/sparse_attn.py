@@ -761,8 +761,9 @@ def ws_quarters(geo: AttnGeometry, split: bool, block_i: int = 64) -> bool:
     kernel over packed rows (GLM T 1 9.8 against 10.1 us, T 17 17.6 against 18.0) and for the in-place
     prefill over packed rows (twenty-second session, run EI, two rounds: DeepSeek packed decode T 256
     361-362 against 378-379 us, at 16 heads 177 against 184) and for the prefill over bulk-copied packed
-    rows (twenty-fourth session, run ET: GLM 1610-1614 against 1645-1646 us at 64-row blocks); slower for the prefill over
-    staged packed rows copied by ``cp.async`` (twelfth session, GLM: 333 against 339 TFLOPS)."""
+    rows (twenty-fourth session, run ET: GLM 1610-1614 against 1645-1646 us at 64-row blocks); slower for
+    the prefill over staged packed rows copied by ``cp.async`` (twelfth session, GLM: 333 against 339
+    TFLOPS)."""
     if geo.kv_kind == "bf16":
         return False
     return split or geo.kv_kind != "packed" or not ws_staged(geo, block_i) or ws_bulk(geo, split, block_i)
