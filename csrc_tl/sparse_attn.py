@@ -632,7 +632,8 @@ __device__ __forceinline__ void dsa_cp_async(void* smem, const void* gmem, bool 
   if constexpr (N == 16) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(a), "l"(gmem), "r"(pred ? 16 : 0) : "memory");
   } else {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" :: "r"(a), "l"(gmem), "n"(N), "r"(pred ? N : 0) : "memory");
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;"
+                 :: "r"(a), "l"(gmem), "n"(N), "r"(pred ? N : 0) : "memory");
   }
 }
 """

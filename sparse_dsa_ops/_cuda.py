@@ -191,6 +191,33 @@ def warmup(keys: Iterable[KernelKey], workers: int = 8, progress: bool = True) -
 # The op implementations (arguments already checked by ops.py).
 
 
+# The kernels address their inputs from the tensors' data pointers and load up to 16 bytes at once (8
+# bf16 values of q, four int32 indices); a pool's rows are read from its start, each with vectors of up to
+# 16 bytes that its row width keeps aligned (so 8 for the 264- and 392-byte packed rows).
+ALIGN = 16
+
+
+def _aligned(x: torch.Tensor) -> torch.Tensor:
+    """``x`` contiguous with a 16-byte-aligned data pointer: ``x`` itself where it is both, else a copy (the
+    caching allocator's blocks are aligned). Only for inputs the kernels read whole, never for pools."""
+    x = x.contiguous()
+    return x if x.data_ptr() % ALIGN == 0 else x.clone()
+
+
+def _check_pool(op: str, name: str, pool: torch.Tensor, row_bytes: int) -> None:
+    """Raise a ValueError where the kernels cannot address pool ``pool`` (rows of ``row_bytes`` bytes): it
+    must start where a row of a 16-byte-aligned pool could (a whole pool, or a slice of one by rows). A
+    misaligned load would be a sticky CUDA error that ends the process's use of the device; copying a
+    pool per call would cost its whole size, and ``store_k_cache`` must write into the caller's."""
+    need = math.gcd(row_bytes, ALIGN)
+    if pool.data_ptr() % need:
+        raise ValueError(
+            f"dsa.{op} on {pool.device.type}: {name} (rows of {row_bytes} bytes) must start at an address that "
+            f"is a multiple of {need} bytes, as every row of a {ALIGN}-byte-aligned pool does; its data pointer "
+            f"is {pool.data_ptr() % need} bytes past one (a view at a byte offset?). Pass a pool allocated by "
+            "torch, or a slice of one by whole rows or pages.")
+
+
 def _slot_dtype(ids: torch.Tensor) -> str:
     return "int64" if ids.dtype == torch.int64 else "int32"
 
@@ -200,7 +227,7 @@ def quant_k_cache(k_nope, k_rope, round_scale=False):
     out = torch.empty(k_nope.shape[0], lay.row_bytes, dtype=torch.uint8, device=k_nope.device)
     if out.shape[0]:
         fn = kernel(cache_keys("quant_k_cache", lay, round_scale)[0])
-        fn(k_nope.contiguous(), *([k_rope.contiguous()] if lay.d_rope else []), out)
+        fn(_aligned(k_nope), *([_aligned(k_rope)] if lay.d_rope else []), out)
     return out
 
 
@@ -208,13 +235,14 @@ def store_k_cache(k_nope, k_rope, cache, loc, round_scale=False):
     lay = KCacheLayout(k_nope.shape[1], 0 if k_rope is None else k_rope.shape[1])
     pool = cache.view(-1, lay.row_bytes)
     if k_nope.shape[0] and pool.shape[0]:
+        _check_pool("store_k_cache", "cache", pool, lay.row_bytes)
         fn = kernel(cache_keys("store_k_cache", lay, round_scale, _slot_dtype(loc))[0])
-        fn(k_nope.contiguous(), *([k_rope.contiguous()] if lay.d_rope else []), loc.contiguous(), pool)
+        fn(_aligned(k_nope), *([_aligned(k_rope)] if lay.d_rope else []), _aligned(loc), pool)
 
 
 def dequant_k_cache(packed):
     lay = KCacheLayout.from_row_bytes(packed.shape[-1])
-    rows = packed.reshape(-1, lay.row_bytes).contiguous()
+    rows = _aligned(packed.reshape(-1, lay.row_bytes))  # (read whole: a misaligned view is copied)
     out = torch.empty(rows.shape[0], lay.d_qk, dtype=torch.bfloat16, device=packed.device)
     if rows.shape[0]:
         kernel(cache_keys("dequant_k_cache", lay)[0])(rows, out)
@@ -228,7 +256,8 @@ def _gather(op: str, cache, indices, width: int, dtype: torch.dtype):
     if out.shape[0] and not pool.shape[0]:
         out.zero_()  # every id is out of range of an empty pool
     elif out.shape[0]:
-        kernel(cache_keys(op, lay, slot_dtype=_slot_dtype(indices))[0])(pool, indices.contiguous(), out)
+        _check_pool(op, "cache", pool, lay.row_bytes)
+        kernel(cache_keys(op, lay, slot_dtype=_slot_dtype(indices))[0])(pool, _aligned(indices), out)
     return out
 
 
@@ -320,8 +349,9 @@ def sparse_attn(q, kv, indices, sm_scale, d_v, topk_length=None):
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    q, idx = q.contiguous(), idx.contiguous()
-    lengths = [] if topk_length is None else [topk_length.contiguous()]
+    _check_pool("sparse_attn", "kv", pool, pool.shape[1] * pool.element_size())
+    q, idx = _aligned(q), _aligned(idx)
+    lengths = [] if topk_length is None else [_aligned(topk_length)]
     plan = plan_attn(kind, d_v, d_rope, heads, sm_scale, topk_length is not None, q.dtype == torch.float8_e4m3fn,
                      t_count, topk, _sm_count(q.device))
     if plan.splits == 1:

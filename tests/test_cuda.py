@@ -366,6 +366,28 @@ def test_packed_pool_sliced_off_a_16_byte_boundary(t_count):
     check_attn(dsa.sparse_attn(q.cuda(), pool, idx.cuda(), sm_scale, d_v), want)
 
 
+def test_misaligned_views():
+    # q and indices whose data pointers lie 2 and 4 bytes past 16-byte boundaries reach the kernels as
+    # aligned copies (CPU test: test_misaligned_inputs_reach_the_kernels_as_aligned_copies); a pool view at
+    # a byte offset no row of an aligned pool has is refused before any launch, and the device stays usable
+    q, kv, idx, sm_scale, d_v = attn_inputs(GLM, "packed", 5, 128, seed=13)
+    want = reference.sparse_attn(q, kv, idx, sm_scale, d_v)
+    q_raw = torch.empty(q.numel() * 2 + 32, dtype=torch.uint8, device="cuda")
+    q_at = q_raw[(-q_raw.data_ptr()) % 16 + 2:][:q.numel() * 2].view(torch.bfloat16).view(q.shape)
+    q_at.copy_(q)
+    i_raw = torch.empty(idx.numel() * 4 + 32, dtype=torch.uint8, device="cuda")
+    i_at = i_raw[(-i_raw.data_ptr()) % 16 + 4:][:idx.numel() * 4].view(torch.int32).view(idx.shape)
+    i_at.copy_(idx)
+    assert q_at.data_ptr() % 16 == 2 and i_at.data_ptr() % 16 == 4
+    check_attn(dsa.sparse_attn(q_at, kv.cuda(), i_at, sm_scale, d_v), want)
+    p_raw = torch.empty(kv.numel() + 32, dtype=torch.uint8, device="cuda")
+    pool = p_raw[(-p_raw.data_ptr()) % 16 + 4:][:kv.numel()].view(kv.shape)
+    pool.copy_(kv)
+    with pytest.raises(ValueError, match="a multiple of 8 bytes"):
+        dsa.sparse_attn(q.cuda(), pool, idx.cuda(), sm_scale, d_v)
+    check_attn(dsa.sparse_attn(q.cuda(), kv.cuda(), idx.cuda(), sm_scale, d_v), want)
+
+
 @pytest.mark.parametrize("kind", ["bf16", "fp8"])
 def test_repeatable_bit_for_bit(kind):
     q, kv, idx, s, d_v = [x.cuda() if isinstance(x, torch.Tensor) else x for x in attn_inputs(DEEPSEEK, kind, 9,

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 
 import pytest
+import torch
 
 from csrc_tl.sparse_attn import head_block
 from sparse_dsa_ops import KCacheLayout, _cuda
@@ -286,6 +287,85 @@ def test_attention_plan(kind, geo, tokens, topk, target, plan):
         # warp-specialized, else 16 at 16 heads), and the combine is built for the same rows
         block = 64 if got.keys[0].family == "attn_decode_ws" else head_block(heads)
         assert got.partial_heads == got.keys[1].spec[2] == -(-heads // block) * block
+
+
+def at_offset(x: torch.Tensor, offset: int) -> torch.Tensor:
+    """A copy of ``x`` whose data pointer lies ``offset`` bytes past a 16-byte boundary."""
+    n = x.numel() * x.element_size()
+    raw = torch.empty(n + 64, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % 16 + offset
+    view = raw[start:start + n].view(x.dtype).view(x.shape)
+    view.copy_(x)
+    assert view.data_ptr() % 16 == offset
+    return view
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The CUDA backend's op functions run on CPU tensors, each kernel launch recorded instead of run:
+    a list of (kernel key, launch arguments)."""
+    calls = []
+    monkeypatch.setattr(_cuda, "kernel", lambda key: lambda *args: calls.append((key, args)))
+    monkeypatch.setattr(_cuda, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(_cuda, "_is_hopper", lambda: True)
+    return calls
+
+
+@pytest.mark.parametrize("offset", [2, 4, 8])
+def test_misaligned_inputs_reach_the_kernels_as_aligned_copies(launches, offset):
+    # q, indices and topk_length at an offset: the kernels load 16-byte vectors from their data pointers
+    q = torch.randn(3, 64, 256).bfloat16()
+    idx = torch.randint(-1, 8, (3, 64), dtype=torch.int32)
+    lengths = torch.tensor([0, 5, 64], dtype=torch.int32)
+    kv = torch.zeros(8, 264, dtype=torch.uint8)
+    int_offset = offset if offset % 4 == 0 else 4  # (int32 views need 4-byte steps)
+    _cuda.sparse_attn(at_offset(q, offset), kv, at_offset(idx, int_offset), 256**-0.5, 256,
+                      at_offset(lengths, int_offset))
+    (_, got), *rest = launches
+    assert all(t.data_ptr() % 16 == 0 for t in got[:4] if isinstance(t, torch.Tensor))
+    assert torch.equal(got[0], q) and torch.equal(got[2], idx) and torch.equal(got[3], lengths)
+    assert got[1] is kv or got[1].data_ptr() == kv.data_ptr()  # the pool is never copied
+    launches.clear()
+    aligned = [q, kv, idx]
+    _cuda.sparse_attn(*aligned, 256**-0.5, 256)
+    assert launches[0][1][0].data_ptr() == q.data_ptr()  # aligned inputs are passed as they are
+
+
+@pytest.mark.parametrize("row_bytes, offset, ok", [
+    (264, 8, True),  # a 264-byte pool sliced by one row: rows start 8 bytes past 16-byte boundaries anyway
+    (392, 8, True),
+    (264, 4, False),
+    (656, 8, False),  # 656-byte rows all start on 16-byte boundaries in an aligned pool
+    (528, 8, False),
+    (656, 0, True),
+])
+def test_pools_must_start_where_a_row_can(launches, row_bytes, offset, ok):
+    lay = KCacheLayout.from_row_bytes(row_bytes)
+    pool = at_offset(torch.zeros(16, row_bytes, dtype=torch.uint8), offset)
+    q = torch.randn(2, 16, lay.d_qk).bfloat16()
+    idx = torch.zeros(2, 64, dtype=torch.int32)
+    k_nope = torch.randn(2, lay.d_nope).bfloat16()
+    k_rope = torch.randn(2, lay.d_rope).bfloat16() if lay.d_rope else None
+    loc = torch.tensor([1, 3], dtype=torch.int32)
+    calls = [
+        lambda: _cuda.sparse_attn(q, pool, idx, lay.d_qk**-0.5, lay.d_nope),
+        lambda: _cuda.store_k_cache(k_nope, k_rope, pool, loc),
+        lambda: _cuda.gather_k_cache(pool, loc),
+        lambda: _cuda.gather_dequant_k_cache(pool, loc),
+    ]
+    for call in calls:
+        if ok:
+            call()
+        else:
+            need = math.gcd(row_bytes, 16)
+            with pytest.raises(ValueError, match=f"rows of {row_bytes} bytes.*a multiple of {need} bytes"):
+                call()
+    assert len(launches) == (len(calls) if ok else 0)
+    # dequant_k_cache reads the whole input: a misaligned one is copied instead
+    launches.clear()
+    _cuda.dequant_k_cache(pool)
+    (_, (rows, _)), = launches
+    assert rows.data_ptr() % 16 == 0 and torch.equal(rows, pool)
 
 
 @pytest.mark.parametrize("kind, path",
