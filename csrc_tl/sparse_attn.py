@@ -1283,11 +1283,13 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
             else:
                 qt_s = kt_s0 = kt_s1 = None
             if staged:
-                raw0, raw1 = [(T.alloc_shared((block_p, raw_w), T.float8_e4m3fn),
-                               T.alloc_shared((block_p, d_tail), dtype if packed else T.float8_e4m3fn)
-                               if d_tail else None,
-                               T.alloc_barrier(arrive_count=block_p) if bulk else None)  # (a row's first lane)
-                              for _ in range(2)]
+                raw_v0 = T.alloc_shared((block_p, raw_w), T.float8_e4m3fn)
+                raw_v1 = T.alloc_shared((block_p, raw_w), T.float8_e4m3fn)
+                raw_t0 = T.alloc_shared((block_p, d_tail), dtype if packed else T.float8_e4m3fn) if d_tail else None
+                raw_t1 = T.alloc_shared((block_p, d_tail), dtype if packed else T.float8_e4m3fn) if d_tail else None
+                landed0 = T.alloc_barrier(arrive_count=block_p) if bulk else None  # (a row's first lane)
+                landed1 = T.alloc_barrier(arrive_count=block_p) if bulk else None
+                raw0, raw1 = (raw_v0, raw_t0, landed0), (raw_v1, raw_t1, landed1)
             ok0 = T.alloc_shared((block_i,), T.int32)
             ok1 = T.alloc_shared((block_i,), T.int32)
             if paired:

@@ -6,6 +6,7 @@ import math
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -233,6 +234,30 @@ def test_gpu_suite_ws_kernels_lower(key):
     # sync inside a divergent region"; the eighth session met it at 256+0 native FP8, 128 heads)
     body = kernel_body(source(key, "cuda"))
     assert body.count("warpgroup_reg_") == 3 and "wgmma_ss<" in body
+
+
+# a buffer TileLang allocates without a name of its own ("v", then "v_1", ... and their barriers' "v_2_mem")
+UNNAMED_BUFFER = re.compile(r"(?:void\*|auto|uint64_t)\s+v(?:_\d+)?(?:_mem)?\b")
+
+
+@pytest.mark.parametrize("key", [k for k in attn_suite_keys("cuda") if k.family.endswith("_ws")], ids=lambda k: k.name)
+def test_every_shared_buffer_has_a_name(key):
+    # TileLang numbers buffers of the same (default) name in an order that changes from one process to
+    # the next, and the generated kernel changes with it: which raw stage sits where in shared memory,
+    # and in some kernels where the producer's barriers go (twenty-fifth session: 7 of the GPU suite's 62
+    # warp-specialized kernels differed between three processes, none after the raw stages got names)
+    assert not UNNAMED_BUFFER.search(source(key, "cuda"))
+
+
+def test_lowering_is_the_same_in_every_process():
+    # kernels that came out differently from process to process before their buffers were named
+    code = ("from sparse_dsa_ops import _cuda; import hashlib; "
+            "keys = _cuda.attn_keys('fp8', 256, 0, 64, 256 ** -0.5, False, target='cuda', q_fp8=True) "
+            "+ _cuda.attn_keys('packed', 256, 64, 64, 320 ** -0.5, False, target='cuda')[:1]; "
+            "print(*(hashlib.sha256(_cuda.lower_source(k, 'cuda').encode()).hexdigest() for k in keys[:2] + keys[3:]))")
+    runs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    outs = {run.communicate()[0] for run in runs}
+    assert all(run.returncode == 0 for run in runs) and len(outs) == 1, outs
 
 
 @pytest.mark.parametrize("tokens, heads, topk, min_blocks, splits", [
