@@ -569,11 +569,10 @@ __device__ __forceinline__ void dsa_put_row_sum(int i, float v) { dsa_row_sums()
 __device__ __forceinline__ float dsa_row_sum(int i) { return dsa_row_sums()[i]; }
 """
 
-# The widening of FP8 rows in the producer of build_attn_ws (staged rows: from their raw stage; other
-# rows in place, where the raw values of a row's 128-value group lie in the second of the two lines the
-# group takes widened: see ws_inplace_raw_col). e4m3 -> f16 is exact, f16 -> f32 too; the scale multiply
-# and the rounding to bf16 are those of the reference's dequantization.
-WS_WIDEN = """
+# The conversion of FP8 values to bf16 in the producers of build_attn_ws (WS_WIDEN, WS_BULK): e4m3 -> f16 is
+# exact, f16 -> f32 too; the scale multiply and the rounding to bf16 are those of the reference's
+# dequantization.
+WS_CONVERT = """
 __device__ __forceinline__ unsigned dsa_bf16x2(unsigned short fp8x2, float scale, bool scaled) {
   unsigned h, r;
   float lo, hi;
@@ -588,6 +587,12 @@ __device__ __forceinline__ uint4 dsa_widen8(unsigned w0, unsigned w1, float scal
   return make_uint4(dsa_bf16x2(w0 & 0xffff, scale, scaled), dsa_bf16x2(w0 >> 16, scale, scaled),
                     dsa_bf16x2(w1 & 0xffff, scale, scaled), dsa_bf16x2(w1 >> 16, scale, scaled));
 }
+"""
+
+# The widening of FP8 rows in the producer of build_attn_ws (staged rows: from their raw stage; other
+# rows in place, where the raw values of a row's 128-value group lie in the second of the two lines the
+# group takes widened: see ws_inplace_raw_col), through WS_CONVERT.
+WS_WIDEN = """
 // Chunks of 16 FP8 values, each given as (raw, d0, d1, scale): raw points to its 16 raw values, d0 and
 // d1 to the two 8-value bf16 halves it takes widened in a stage.
 // Every chunk's raw values are loaded before any chunk is stored, so the shared-memory loads are in
@@ -642,7 +647,6 @@ __device__ __forceinline__ void dsa_cp_async(void* smem, const void* gmem, bool 
 # row's first lane, completing on the raw stage's mbarrier; other lanes only zero their chunks of an invalid
 # row (no copy lands there).
 WS_BULK = """
-#include <tl_templates/cuda/cuda_fp8.h>
 // A packed row's kBytes FP8 values (rows 8-byte aligned, at least 8 bytes of scales after the values) by
 // one bulk copy into its raw slot (16-byte aligned). A row whose start lies 8 bytes past a 16-byte
 // boundary is copied from that boundary, kBytes + 16 bytes (the previous row's scales first, its own
@@ -678,21 +682,12 @@ __device__ __forceinline__ void dsa_zero16(void* p, bool ok) {
   if (!ok) *reinterpret_cast<uint4*>(p) = make_uint4(0u, 0u, 0u, 0u);
 }
 // 16 FP8 values at raw (8-byte aligned: the row may lie 8 bytes into its slot) times scale, widened into 8
-// bf16 values at d0 and 8 at d1, by the conversions TileLang's own casts generate
-__device__ __forceinline__ unsigned dsa_scaled_bf16x2(unsigned short v, float scale) {
-  float2 f = __tl_cvt_fp8x2_to_float2(v, __NV_E4M3);
-  __nv_bfloat162 r = __float22bfloat162_rn(make_float2(f.x * scale, f.y * scale));
-  return *reinterpret_cast<unsigned*>(&r);
-}
-__device__ __forceinline__ uint4 dsa_scaled_bf16x8(uint2 w, float scale) {
-  return make_uint4(dsa_scaled_bf16x2(w.x & 0xffff, scale), dsa_scaled_bf16x2(w.x >> 16, scale),
-                    dsa_scaled_bf16x2(w.y & 0xffff, scale), dsa_scaled_bf16x2(w.y >> 16, scale));
-}
+// bf16 values at d0 and 8 at d1 (WS_CONVERT)
 __device__ __forceinline__ void dsa_widen_bulk(const void* raw, void* d0, void* d1, float scale) {
   const uint2* r = reinterpret_cast<const uint2*>(raw);
   uint2 a = r[0], b = r[1];
-  *reinterpret_cast<uint4*>(d0) = dsa_scaled_bf16x8(a, scale);
-  *reinterpret_cast<uint4*>(d1) = dsa_scaled_bf16x8(b, scale);
+  *reinterpret_cast<uint4*>(d0) = dsa_widen8(a.x, a.y, scale, true);
+  *reinterpret_cast<uint4*>(d1) = dsa_widen8(b.x, b.y, scale, true);
 }
 // The lanes of a warp (which hold whole rows) are done reading their raw slots through the generic proxy
 // before the bulk copies (async proxy) refill them.
@@ -1257,7 +1252,8 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
 
     calls_widen = inplace or (staged and not packed)  # (see widen_raw)
     prelude = ((WS_PRELUDE if paired else "") + (WS_COPY if inplace or halves or bulk else "")
-               + (WS_WIDEN if calls_widen else "") + (WS_BULK if bulk else "") + (WS_STORE if split else "")) or None
+               + (WS_CONVERT if calls_widen or bulk else "") + (WS_WIDEN if calls_widen else "")
+               + (WS_BULK if bulk else "") + (WS_STORE if split else "")) or None
 
     @T.macro
     def attend(q, kv, indices, topk_length, out, lse):
