@@ -83,6 +83,17 @@ def poison_allocator(nbytes=1 << 28):
     del junk
 
 
+def at_offset(x: torch.Tensor, offset: int) -> torch.Tensor:
+    """A copy of ``x`` (on its device) whose data pointer lies ``offset`` bytes past a 16-byte boundary."""
+    n = x.numel() * x.element_size()
+    raw = torch.empty(n + 64, dtype=torch.uint8, device=x.device)
+    start = (-raw.data_ptr()) % 16 + offset
+    view = raw[start:start + n].view(x.dtype).view(x.shape)
+    view.copy_(x)
+    assert view.data_ptr() % 16 == offset
+    return view
+
+
 def gen(seed=0):
     return torch.Generator(device="cpu").manual_seed(seed)
 
@@ -372,17 +383,9 @@ def test_misaligned_views():
     # a byte offset no row of an aligned pool has is refused before any launch, and the device stays usable
     q, kv, idx, sm_scale, d_v = attn_inputs(GLM, "packed", 5, 128, seed=13)
     want = reference.sparse_attn(q, kv, idx, sm_scale, d_v)
-    q_raw = torch.empty(q.numel() * 2 + 32, dtype=torch.uint8, device="cuda")
-    q_at = q_raw[(-q_raw.data_ptr()) % 16 + 2:][:q.numel() * 2].view(torch.bfloat16).view(q.shape)
-    q_at.copy_(q)
-    i_raw = torch.empty(idx.numel() * 4 + 32, dtype=torch.uint8, device="cuda")
-    i_at = i_raw[(-i_raw.data_ptr()) % 16 + 4:][:idx.numel() * 4].view(torch.int32).view(idx.shape)
-    i_at.copy_(idx)
-    assert q_at.data_ptr() % 16 == 2 and i_at.data_ptr() % 16 == 4
+    q_at, i_at = at_offset(q.cuda(), 2), at_offset(idx.cuda(), 4)
     check_attn(dsa.sparse_attn(q_at, kv.cuda(), i_at, sm_scale, d_v), want)
-    p_raw = torch.empty(kv.numel() + 32, dtype=torch.uint8, device="cuda")
-    pool = p_raw[(-p_raw.data_ptr()) % 16 + 4:][:kv.numel()].view(kv.shape)
-    pool.copy_(kv)
+    pool = at_offset(kv.cuda(), 4)
     with pytest.raises(ValueError, match="a multiple of 8 bytes"):
         dsa.sparse_attn(q.cuda(), pool, idx.cuda(), sm_scale, d_v)
     check_attn(dsa.sparse_attn(q.cuda(), kv.cuda(), idx.cuda(), sm_scale, d_v), want)
