@@ -208,7 +208,8 @@ def source(args: argparse.Namespace) -> int:
 
 
 def _graph_time_us(fn: Callable[[], object], reps: int = 20) -> float:
-    """Mean time of ``fn`` replayed from a CUDA graph that holds ``reps`` calls."""
+    """Microseconds per call of ``fn``: a CUDA graph that holds ``reps`` calls is replayed five times, and
+    the fastest replay's mean per call is returned (BENCHMARKS.md: "the best of 5 replays")."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
