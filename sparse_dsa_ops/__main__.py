@@ -6,7 +6,8 @@
 * ``source``: the generated TileLang kernel source of an op for one geometry, for CUDA (sm_90a) or
   HIP (gfx950); needs no GPU.
 * ``bench``: GPU timings with CUDA-graph replay beside a bf16 matmul and a device copy measured in
-  the same run.
+  the same run, and each target of DESIGN.md met or missed by how much (``--rounds N``: the median and the
+  range of N timings).
 """
 
 from __future__ import annotations
@@ -295,6 +296,52 @@ def _cache_case(name, op, d_nope, d_rope, rows):
                 path=keys[0].family)
 
 
+# The targets of DESIGN.md, by bench case: (bound, value, unit), a rate in TFLOPS, a latency in microseconds, or
+# for the cache ops on 1M rows a fraction of the device copy measured in the same run.
+TARGETS = {
+    "prefill deepseek bf16 T4096 S8192 H128 k2048": (">=", 600.0, "TFLOPS"),
+    "prefill glm bf16 T4096 S8192 H64 k2048": (">=", 450.0, "TFLOPS"),
+    "decode glm bf16 T1 S65536 H64 k2048": ("<=", 15.0, "us"),
+    "decode glm bf16 T17 S65536 H64 k2112": ("<=", 20.0, "us"),
+    "decode deepseek bf16 T1 S65536 H128 k2048": ("<=", 20.0, "us"),
+    "decode deepseek packed T256 S65536 H128 k2048": (">=", 400.0, "TFLOPS"),
+    "decode glm packed T1 S65536 H64 k2048": ("<=", 10.0, "us"),
+    "decode glm packed T17 S65536 H64 k2112": ("<=", 15.0, "us"),
+    "prefill glm packed T4096 S8192 H64 k2048": (">=", 400.0, "TFLOPS"),
+    **{f"{op} {geo} 1M rows": (">=", 0.8, "of copy") for geo in GEOMETRIES for op in CACHE_OPS},
+}
+
+
+def target_status(name: str, us: float, rate: float, ratio: float) -> str:
+    """The bench's target cell for case ``name`` timed at ``us`` microseconds (``rate`` in TFLOPS or GB/s,
+    ``ratio`` to its ceiling): the target of :data:`TARGETS` and whether it is met, by how much, or by how much
+    it is missed; "" for a case without a target."""
+    if name not in TARGETS:
+        return ""
+    bound, value, unit = TARGETS[name]
+    got = {"TFLOPS": rate, "us": us, "of copy": ratio}[unit]
+    margin = value / got - 1 if bound == "<=" else got / value - 1
+    text = f"{bound} {value:.0%} {unit}" if unit == "of copy" else f"{bound} {value:g} {unit}"
+    return f"{text}: met by {margin:.1%}" if margin >= 0 else f"{text}: missed by {-margin:.1%}"
+
+
+def bench_row(case: dict, times_us: list[float], ceil: dict[str, float]) -> tuple[list[str], dict]:
+    """The table row and the JSON record of ``case`` timed ``times_us`` (one time per round): the median time, its
+    rate against the ceilings ``ceil`` of the same run, the range over the rounds, and the target's status."""
+    times = sorted(times_us)
+    us = times[len(times) // 2] if len(times) % 2 else (times[len(times) // 2 - 1] + times[len(times) // 2]) / 2
+    if case["flops"]:
+        rate, unit, ratio = case["flops"] / us / 1e6, "TFLOPS", case["flops"] / us / 1e6 / ceil["matmul_tflops"]
+    else:
+        rate, unit, ratio = case["bytes"] / us / 1e3, "GB/s", case["bytes"] / us / 1e3 / ceil["copy_gbps"]
+    spread = f"{times[0]:.1f}-{times[-1]:.1f}" if len(times) > 1 else ""
+    status = target_status(case["name"], us, rate, ratio)
+    row = [case["name"], case["path"], f"{us:.1f}", spread, f"{rate:.0f} {unit}", f"{ratio:.0%}", status]
+    record = dict(case=case["name"], path=case["path"], us=us, us_rounds=list(times_us), rate=rate, unit=unit,
+                  ratio_to_ceiling=ratio, target=status)
+    return row, record
+
+
 def bench_cases() -> list[dict]:
     cases = [
         _attn_case("prefill deepseek bf16 T4096 S8192 H128 k2048", "bf16", 512, 64, 128, 4096, 8192, 2048),
@@ -345,18 +392,20 @@ def bench(args: argparse.Namespace) -> int:
         op = getattr(torch.ops.dsa, case["op"])
         try:
             op(*inputs)  # compiles outside the capture
-            us = _graph_time_us(lambda op=op, inputs=inputs: op(*inputs))
+            # each round captures and times a graph of its own
+            times = [_graph_time_us(lambda op=op, inputs=inputs: op(*inputs)) for _ in range(args.rounds)]
         except Exception as err:  # keep measuring the other cases
-            rows.append([case["name"], case["path"], "ERROR", f"{type(err).__name__}: {err}"[:80], ""])
+            rows.append([case["name"], case["path"], "ERROR", "", f"{type(err).__name__}: {err}"[:80], "", ""])
             continue
-        if case["flops"]:
-            rate, unit, ratio = case["flops"] / us / 1e6, "TFLOPS", case["flops"] / us / 1e6 / ceil["matmul_tflops"]
-        else:
-            rate, unit, ratio = case["bytes"] / us / 1e3, "GB/s", case["bytes"] / us / 1e3 / ceil["copy_gbps"]
-        rows.append([case["name"], case["path"], f"{us:.1f}", f"{rate:.0f} {unit}", f"{ratio:.0%}"])
-        records.append(dict(case=case["name"], path=case["path"], us=us, rate=rate, unit=unit, ratio_to_ceiling=ratio))
+        row, record = bench_row(case, times, ceil)
+        rows.append(row)
+        records.append(record)
         del inputs
-    print(format_table(["case", "kernels", "us", "rate", "of ceiling"], rows))
+    headers = ["case", "kernels", "us", f"range ({args.rounds} rounds)", "rate", "of ceiling", "target"]
+    if args.rounds == 1:  # (no range column)
+        headers.pop(3)
+        rows = [r[:3] + r[4:] for r in rows]
+    print(format_table(headers, rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(environment=dict(environment()), ceilings=ceil, rows=records), f, indent=1)
@@ -386,7 +435,11 @@ def main(argv: list[str] | None = None) -> int:
     p_bench.add_argument("--json", default=None, help="also write the rows to this file")
     p_bench.add_argument("--filter", default=None, help="only cases whose name contains one of these "
                          "comma-separated strings")
+    p_bench.add_argument("--rounds", type=int, default=1, help="time each case this many times (a graph "
+                         "captured for each) and report the median and the range")
     args = parser.parse_args(argv)
+    if args.command == "bench" and args.rounds < 1:
+        p_bench.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.command in (None, "check"):
         name = getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
         return 1 if check(torch.device(name)) else 0

@@ -52,3 +52,96 @@ def test_bench_cases_name_their_kernels(monkeypatch):
     assert cases["dequant_k_cache glm 1M rows"]["path"] == "dequant"
     for case in cases.values():
         assert [k.family for k in case["keys"]][0] in case["path"]
+
+
+def _cpu_cases(monkeypatch):
+    # the bench's case table as it is built on an H200 (see test_bench_cases_name_their_kernels)
+    from types import SimpleNamespace
+
+    import torch
+
+    from sparse_dsa_ops import _cuda
+    from sparse_dsa_ops.__main__ import bench_cases
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(_cuda, "_is_hopper", lambda: True)
+    _cuda.plan_attn.cache_clear()
+    try:
+        return {c["name"]: c for c in bench_cases()}
+    finally:
+        _cuda.plan_attn.cache_clear()
+
+
+def test_every_target_names_a_bench_case(monkeypatch):
+    from sparse_dsa_ops.__main__ import TARGETS
+
+    cases = _cpu_cases(monkeypatch)
+    assert set(TARGETS) <= set(cases)
+    # DESIGN.md's nine attention targets and the cache ops of both geometries
+    assert sum(unit != "of copy" for _, _, unit in TARGETS.values()) == 9
+    assert sum(unit == "of copy" for _, _, unit in TARGETS.values()) == 10
+
+
+def test_bench_row_reports_the_median_the_range_and_the_target(monkeypatch):
+    from sparse_dsa_ops.__main__ import bench_row
+
+    cases = _cpu_cases(monkeypatch)
+    ceil = {"matmul_tflops": 800.0, "copy_gbps": 2600.0}
+    # GLM packed decode at T 17, target <= 15 us: the median of three rounds decides
+    row, record = bench_row(cases["decode glm packed T17 S65536 H64 k2112"], [15.3, 14.6, 14.8], ceil)
+    assert row[2] == "14.8" and row[3] == "14.6-15.3"
+    assert row[6] == "<= 15 us: met by 1.4%" and record["target"] == row[6]
+    assert record["us"] == 14.8 and record["us_rounds"] == [15.3, 14.6, 14.8]
+    # DeepSeek packed decode at T 256, target >= 400 TFLOPS (2 * 256 * 128 * 2048 * 1088 flops)
+    case = cases["decode deepseek packed T256 S65536 H128 k2048"]
+    assert case["flops"] == 2 * 256 * 128 * 2048 * 1088
+    row, record = bench_row(case, [366.9, 362.0], ceil)
+    assert row[2] == "364.4" and row[4] == "401 TFLOPS" and row[6] == ">= 400 TFLOPS: met by 0.2%"
+    row, _ = bench_row(case, [366.9], ceil)
+    assert row[3] == "" and row[6] == ">= 400 TFLOPS: missed by 0.5%"
+    # a cache op against 80% of the copy ceiling; a case without a target
+    row, _ = bench_row(cases["store_k_cache glm 1M rows"], [379.2], ceil)
+    assert row[5] == "83%" and row[6] == ">= 80% of copy: met by 3.7%"
+    row, record = bench_row(cases["prefill glm fp8 T4096 S8192 H64 k2048"], [1292.8], ceil)
+    assert row[6] == "" and record["target"] == ""
+
+
+def test_bench_rounds_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--rounds", "0"])
+    assert "--rounds must be at least 1" in capsys.readouterr().err
+
+
+def test_bench_table_and_json_on_the_cpu(monkeypatch, capsys, tmp_path):
+    # the bench loop with the GPU parts stubbed: a CPU gather case timed at 10, 12 and 11 us per round
+    import json
+
+    import torch
+
+    from sparse_dsa_ops import __main__ as cli
+    from sparse_dsa_ops import _cuda
+
+    pool = torch.zeros(8, 264, dtype=torch.uint8)
+    case = dict(name="gather_k_cache glm 1M rows", op="gather_k_cache", flops=None, bytes=2.6e7, keys=[],
+                path="gather", make=lambda: (pool, torch.arange(4, dtype=torch.int32)))
+    times = iter([10.0, 12.0, 11.0, 13.0])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cli, "environment", lambda: [("device", "stub")])
+    monkeypatch.setattr(cli, "_ceilings", lambda: {"matmul_tflops": 800.0, "copy_gbps": 2600.0})
+    monkeypatch.setattr(cli, "bench_cases", lambda: [case])
+    monkeypatch.setattr(cli, "_graph_time_us", lambda fn: (fn(), next(times))[1])
+    monkeypatch.setattr(_cuda, "warmup", lambda keys, workers: None)
+    assert main(["bench", "--rounds", "3", "--json", str(tmp_path / "b.json")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.startswith("case"))
+    assert header.split() == ["case", "kernels", "us", "range", "(3", "rounds)", "rate", "of", "ceiling", "target"]
+    row = lines[-1].split()
+    assert row[-13:] == ["gather", "11.0", "10.0-12.0", "2364", "GB/s", "91%", ">=", "80%", "of", "copy:", "met",
+                         "by", "13.6%"]
+    record = json.loads((tmp_path / "b.json").read_text())["rows"][0]
+    assert record["us"] == 11.0 and record["us_rounds"] == [10.0, 12.0, 11.0] and record["target"].endswith("13.6%")
+    # one round (the default): no range column
+    assert main(["bench"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert next(line for line in lines if line.startswith("case")).split()[3] == "rate"
+    assert lines[-1].split()[-11:-7] == ["13.0", "2000", "GB/s", "77%"] and lines[-1].endswith("missed by 3.8%")
