@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -329,7 +330,7 @@ def bench_row(case: dict, times_us: list[float], ceil: dict[str, float]) -> tupl
     """The table row and the JSON record of ``case`` timed ``times_us`` (one time per round): the median time, its
     rate against the ceilings ``ceil`` of the same run, the range over the rounds, and the target's status."""
     times = sorted(times_us)
-    us = times[len(times) // 2] if len(times) % 2 else (times[len(times) // 2 - 1] + times[len(times) // 2]) / 2
+    us = statistics.median(times)
     if case["flops"]:
         rate, unit, ratio = case["flops"] / us / 1e6, "TFLOPS", case["flops"] / us / 1e6 / ceil["matmul_tflops"]
     else:
