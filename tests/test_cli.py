@@ -28,8 +28,8 @@ def test_format_table_aligns_columns():
     assert format_table(["a", "bb"], [["ccc", "d"]]).splitlines() == ["a    bb", "---  --", "ccc  d"]
 
 
-def test_bench_cases_name_their_kernels(monkeypatch):
-    # the case table is built without a GPU here (an H200's 132 SMs), so the kernel column can be checked
+def _cpu_cases(monkeypatch):
+    # the bench's case table, built without a GPU as on an H200 (132 SMs), so the kernel column can be checked
     from types import SimpleNamespace
 
     import torch
@@ -41,9 +41,13 @@ def test_bench_cases_name_their_kernels(monkeypatch):
     monkeypatch.setattr(_cuda, "_is_hopper", lambda: True)
     _cuda.plan_attn.cache_clear()  # plans are cached per process; this one pretends to be an H200
     try:
-        cases = {c["name"]: c for c in bench_cases()}
+        return {c["name"]: c for c in bench_cases()}
     finally:
         _cuda.plan_attn.cache_clear()
+
+
+def test_bench_cases_name_their_kernels(monkeypatch):
+    cases = _cpu_cases(monkeypatch)
     assert cases["decode glm bf16 T1 S65536 H64 k2048"]["path"] == "attn_decode_ws x16 + combine"
     assert cases["decode glm packed T1 S65536 H64 k2048"]["path"] == "attn_decode_ws x16 + combine"
     assert cases["prefill deepseek bf16 T4096 S8192 H128 k2048"]["path"] == "attn_prefill_ws"
@@ -52,24 +56,6 @@ def test_bench_cases_name_their_kernels(monkeypatch):
     assert cases["dequant_k_cache glm 1M rows"]["path"] == "dequant"
     for case in cases.values():
         assert [k.family for k in case["keys"]][0] in case["path"]
-
-
-def _cpu_cases(monkeypatch):
-    # the bench's case table as it is built on an H200 (see test_bench_cases_name_their_kernels)
-    from types import SimpleNamespace
-
-    import torch
-
-    from sparse_dsa_ops import _cuda
-    from sparse_dsa_ops.__main__ import bench_cases
-
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
-    monkeypatch.setattr(_cuda, "_is_hopper", lambda: True)
-    _cuda.plan_attn.cache_clear()
-    try:
-        return {c["name"]: c for c in bench_cases()}
-    finally:
-        _cuda.plan_attn.cache_clear()
 
 
 def test_every_target_names_a_bench_case(monkeypatch):
