@@ -492,9 +492,12 @@ def build_combine(d_v: int, heads: int, part_heads: int, pdl: bool = False):
 # with two; the consumers' budgets are increases from the launch count and the producers' decreases
 # (a consumer budget below it is an illegal instruction: H200, eighteenth session).
 # The in-place producer (512+64 FP8 rows) keeps the copies of WS_INPLACE_AHEAD passes in flight: at 80
-# registers ptxas spilled 12-16 bytes in its kernels with topk_length (CPU test), at 88 none.
+# registers ptxas spilled 12-16 bytes in its kernels with topk_length (CPU test), at 88 none. Where
+# consumer warpgroup 1 widens a pass of each block too ("inplace_wg1", see build_attn_ws), it holds its
+# 64 x 256 accumulator while it widens: at 168 it spilled, at 184 none (sm_90a, 16 and 128 heads); the
+# producer spilled 20 bytes at 88 over 512+0 rows, at 96 none.
 WS_NREG = {("paired", 1): (208, 224, 72), ("single", 1): (240, 168, 80), ("single", 2): (208, 144, 80),
-           ("inplace", 1): (240, 168, 88)}
+           ("inplace", 1): (240, 168, 88), ("inplace_wg1", 1): (224, 184, 96)}
 
 
 def check_ws_nreg(nreg: tuple[int, int, int], producers: int) -> None:
@@ -820,7 +823,8 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
     copies arrive on the stage barrier when they land); staged FP8 rows by cp.async (packed rows of the
     prefill: one TMA bulk copy per row, :func:`ws_bulk`) into a raw stage of :data:`WS_RAW_ROWS` rows one
     producer block ahead (a 128-row stage takes two), then widened shared-to-shared; other FP8 rows by
-    cp.async into their own bf16 stage and widened there (``produce_inplace``).
+    cp.async into their own bf16 stage and widened there (``produce_inplace``; in the prefill over packed
+    rows consumer warpgroup 1 fills the last pass of each block, see ``wg1_widens``).
     Rows of invalid entries are written as zeros (never dereferenced) and their scores are -inf, so
     they weigh 0. ``producers`` (1 or 2 warpgroups) defaults to 2 for staged rows, else 1.
     """
@@ -864,11 +868,22 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
     # blocks rescale nothing (probabilities stay below 2^8: exact in float32, the same relative
     # precision in bf16); threads whose rows' max did not move skip the rescale (544 against 527).
     lazy_gap = 8.0 / scale2 if halves else None
-    scheme = ("paired" if paired else "inplace" if inplace else "single", n_prod)
+    rows_per_pass = 128 * n_prod // WS_THREADS_PER_ROW  # rows the producer threads fill at once
+    # rows of a producer block: the staged producer fills a stage from raw copies of WS_RAW_ROWS rows
+    block_p = min(block_i, WS_RAW_ROWS) if staged else block_i
+    subs = block_i // block_p  # producer blocks per stage
+    passes = block_p // rows_per_pass
+    # The in-place prefill over packed rows: consumer warpgroup 1, which otherwise waits most of the time
+    # for warpgroup 0's probabilities (ncu: 65% of its samples; the producer paces the kernel), gathers
+    # and widens the last pass of each block, the next block's before it waits for the current one's
+    # probabilities. Measured (H200, BENCHMARKS.md, twenty-seventh session, one call, two rounds):
+    # DeepSeek packed decode T 256 350-354 against 363-364 us at 128 heads, 173.5 against 183 at 16.
+    wg1_widens = inplace and packed and not split and passes > 1
+    inplace_scheme = "inplace_wg1" if wg1_widens else "inplace"
+    scheme = ("paired" if paired else inplace_scheme if inplace else "single", n_prod)
     assert nreg is not None or scheme in WS_NREG, f"no register budgets for {scheme}; pass nreg"
     nreg = WS_NREG[scheme] if nreg is None else nreg
     check_ws_nreg(nreg, n_prod)
-    rows_per_pass = 128 * n_prod // WS_THREADS_PER_ROW  # rows the producer threads fill at once
 
     quarters = ws_quarters(geo, split, block_i)  # which producer threads share a row
     bulk = ws_bulk(geo, split, block_i)  # staged packed rows by one TMA bulk copy each
@@ -881,11 +896,11 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
 
     def plane(tx):
         return ws_row_lane(tx, quarters)[1]
-    # rows of a producer block: the staged producer fills a stage from raw copies of WS_RAW_ROWS rows
-    block_p = min(block_i, WS_RAW_ROWS) if staged else block_i
-    subs = block_i // block_p  # producer blocks per stage
-    passes = block_p // rows_per_pass
-    ready_count = 128 * n_prod * (2 if copies_async else 1)  # producer threads arrive once, or twice with cp.async
+    # arrivals on a stage's ready barrier: each producer thread once, or twice with cp.async; and
+    # warpgroup 1's threads where they widen a pass
+    ready_count = 128 * n_prod * (2 if copies_async else 1) + (128 if wg1_widens else 0)
+    # the passes of a block each side widens in place
+    prod_passes, wg1_passes = (tuple(range(passes - 1)), (passes - 1,)) if wg1_widens else (None, None)
     n_tiles = d_v // QUANT_TILE
     piece = 16 if row_w % 16 == 0 else 8  # bytes of one cp.async of FP8 values (row starts are piece-aligned)
     # elements of one cp.async of the tail of a staged row: bf16 of a packed row (8 bytes where the
@@ -903,14 +918,20 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         return (blk * block_p + j < stop) & (raw >= 0) & (raw < s_count)
 
     @T.macro
-    def load_index(indices, t, blk, slot):
+    def load_index(indices, t, blk, slot, base=256, mine=None):
         """``slot[p]``: the raw index of this thread's row in pass ``p`` of producer block ``blk`` (clamped
         into the row, unchecked). Nothing here reads the loaded values, so the loads stay in flight
-        until :func:`issue_raw` checks them, a block later."""
-        tx = T.get_thread_binding() - 2 * 128
-        for p in T.unroll(passes):
-            pos = blk * block_p + p * rows_per_pass + prow(tx)
-            slot[p] = indices[t, T.min(pos, k_count - 1)]
+        until :func:`issue_raw` checks them, a block later. With ``mine`` (passes of the block), ``slot[k]``
+        is that of pass ``mine[k]``; ``base`` is the first thread of the warpgroup that loads."""
+        tx = T.get_thread_binding() - base
+        if mine is None:
+            for p in T.unroll(passes):
+                pos = blk * block_p + p * rows_per_pass + prow(tx)
+                slot[p] = indices[t, T.min(pos, k_count - 1)]
+        else:
+            for k in tuple(range(len(mine))):
+                pos = blk * block_p + mine[k] * rows_per_pass + prow(tx)
+                slot[k] = indices[t, T.min(pos, k_count - 1)]
 
     @T.macro
     def produce(kv, indices, t, blk, stop, nxt, slot, dst_l, dst_r, dst_t, ok_s, ready, free, phase):
@@ -1149,7 +1170,8 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
             T.barrier_arrive(ready)
 
     @T.macro
-    def produce_inplace(kv, indices, t, blk, stop, nxt, sc, dst_l, dst_r, dst_t, ok_s, ready, free, phase):
+    def produce_inplace(kv, indices, t, blk, stop, nxt, sc, dst_l, dst_r, dst_t, ok_s, ready, free, phase, base=256,
+                        mine=None):
         """Gather top-k block ``blk`` (raw indices ``nxt``, loaded one block earlier) into a stage and
         widen it there. Each thread copies the raw bytes of each of its 16-value chunks by cp.async into
         the row's stage, the eight lanes of a row side by side (:func:`ws_inplace_raw_col`), waits for
@@ -1159,19 +1181,25 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         (the eight threads of a row store the same one) take their addresses with ``T.address_of``, so
         that TileLang puts none either (through ``T.ptx_cp_async`` it put three per pass and block). The
         copies of a pass are issued :data:`WS_INPLACE_AHEAD` passes before it is widened, so that the
-        widening of the first passes runs while the copies of the later ones are still being issued."""
+        widening of the first passes runs while the copies of the later ones are still being issued.
+
+        ``base`` is the first thread of the warpgroup that runs it (the producer's, or consumer warpgroup
+        1's) and ``mine`` the passes of the block it fills (default all); ``nxt`` and ``sc`` hold its
+        passes only."""
         T.barrier_wait(free, phase ^ 1)
-        tx = T.get_thread_binding() - 2 * 128
+        tx = T.get_thread_binding() - base
         lane = plane(tx)
+        own = tuple(range(passes)) if mine is None else mine  # the passes this warpgroup fills
+        n_mine = len(own)
         words = T.view(kv, (s_count, row_w // 2), dtype)  # the rows in 2-byte words, as the stage counts them
         w = piece // 2  # words per cp.async of FP8 values
         if packed:
             scales = T.view(kv, (s_count, row_w // 4), T.float32)
-        ahead = min(WS_INPLACE_AHEAD, passes)
-        for step in tuple(range(passes + ahead)):  # (a Python loop: unrolled as the pass schedule is built)
-            if step < passes:
+        ahead = min(WS_INPLACE_AHEAD, n_mine)
+        for step in tuple(range(n_mine + ahead)):  # (a Python loop: unrolled as the pass schedule is built)
+            if step < n_mine:
                 p = step
-                j = p * rows_per_pass + prow(tx)
+                j = own[p] * rows_per_pass + prow(tx)
                 ok = entry_ok(blk, j, stop, nxt[p])
                 T.call_extern("handle", "dsa_put_flag", T.address_of(ok_s[j]), T.if_then_else(ok, 1, 0))
                 row = T.if_then_else(ok, nxt[p], 0)
@@ -1200,13 +1228,13 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                     for i in T.unroll(n_tiles):
                         sc[p, i] = T.if_then_else(ok, sc[p, i], 0.0)
                 T.ptx_commit_group()  # one group per pass: the widening of a pass starts when its copies land
-            if step == passes - 1:
-                load_index(indices, t, blk + 1, nxt)
+            if step == n_mine - 1:
+                load_index(indices, t, blk + 1, nxt, base, mine)
             if step >= ahead:
                 q = step - ahead
-                j = q * rows_per_pass + prow(tx)
+                j = own[q] * rows_per_pass + prow(tx)
                 # this thread's own copies of pass q (T.ptx_wait_group would add a barrier)
-                T.call_extern("handle", "dsa_cp_async_wait", min(step + 1, passes) - 1 - q)
+                T.call_extern("handle", "dsa_cp_async_wait", min(step + 1, n_mine) - 1 - q)
                 widen(None, dst_l, dst_r, sc, q, j, lane)
                 if d_tail and not packed:
                     for c in T.unroll(tail_chunks):
@@ -1580,7 +1608,23 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                     normalize(acc_o_r, sum_r, m_r, sumexp_r, scale2)
                     store_rows(out, lse, acc_o_r, q_r, sum_r, t, by if split else None, h0, half, heads)
                 else:
+                    if wg1_widens:
+                        nxt1 = T.alloc_local((1,), T.int32)
+                        sc1 = T.alloc_local((1, n_tiles), acc)
+                        load_index(indices, t, first, nxt1, 128, wg1_passes)
+                        if walk > 0:
+                            produce_inplace(kv, indices, t, first, stop, nxt1, sc1, kv_l0, kv_r0, kt_s0, ok0, ready0,
+                                            free0, 0, 128, wg1_passes)
                     for it in T.serial(walk):
+                        if wg1_widens:
+                            # this warpgroup's rows of the next block, before it waits for this one's probabilities
+                            if it + 1 < walk:
+                                if (it + 1) % 2 == 0:
+                                    produce_inplace(kv, indices, t, first + it + 1, stop, nxt1, sc1, kv_l0, kv_r0,
+                                                    kt_s0, ok0, ready0, free0, ((it + 1) // 2) & 1, 128, wg1_passes)
+                                else:
+                                    produce_inplace(kv, indices, t, first + it + 1, stop, nxt1, sc1, kv_l1, kv_r1,
+                                                    kt_s1, ok1, ready1, free1, ((it + 1) // 2) & 1, 128, wg1_passes)
                         T.barrier_wait(p_ready, it & 1)
                         if copies_async:
                             T.fence_proxy_async()
@@ -1601,15 +1645,16 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
             elif tx >= 256:
                 T.set_max_nreg(nreg[2], 0)
                 if inplace:
-                    nxt = T.alloc_local((passes,), T.int32)
-                    sc = T.alloc_local((passes, n_tiles), acc) if packed else None  # the rows' scales
-                    load_index(indices, t, first, nxt)
+                    n_own = passes if prod_passes is None else len(prod_passes)
+                    nxt = T.alloc_local((n_own,), T.int32)
+                    sc = T.alloc_local((n_own, n_tiles), acc) if packed else None  # the rows' scales
+                    load_index(indices, t, first, nxt, 256, prod_passes)
                     for pair in T.serial(pairs):
                         produce_inplace(kv, indices, t, first + 2 * pair, stop, nxt, sc, kv_l0, kv_r0, kt_s0, ok0,
-                                        ready0, free0, pair & 1)
+                                        ready0, free0, pair & 1, 256, prod_passes)
                         if not split or 2 * pair + 1 < n_blk:  # (a split kernel walks no padding block)
                             produce_inplace(kv, indices, t, first + 2 * pair + 1, stop, nxt, sc, kv_l1, kv_r1, kt_s1,
-                                            ok1, ready1, free1, pair & 1)
+                                            ok1, ready1, free1, pair & 1, 256, prod_passes)
                 elif staged:
                     nxt = T.alloc_local((passes,), T.int32)
                     ok_a = T.alloc_local((passes,), T.int32)  # valid rows of the block in raw0

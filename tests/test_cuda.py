@@ -23,9 +23,10 @@ GLM, DEEPSEEK = (256, 0, 64), (512, 64, 128)
 # 256+64 at 64 heads: the 392-byte packed row, whose tails are only 8-byte aligned, through the
 # warp-specialized kernels that stage FP8 rows raw. Under 64 heads the warp-specialized kernels pad
 # their head block on sm_90; the portable kernels run there for FP8 rows of 384 (not whole 16-value
-# chunks per producer thread) and bf16 rows of 192 + 64
+# chunks per producer thread) and bf16 rows of 192 + 64. 512+0 packed: the 528-byte row, widened in place
+# without a tail
 ATTN_GEOS = [GLM, DEEPSEEK, (512, 64, 16), (256, 64, 64), (256, 0, 1), (256, 0, 8), (256, 0, 16), (256, 0, 128),
-             (384, 0, 16), (192, 64, 8)]
+             (384, 0, 16), (192, 64, 8), (512, 0, 16)]
 # kv kinds: "fp8" is native float8_e4m3fn kv with float8 q, "fp8-kv" the same kv with bf16 q, "packed-q8"
 # a packed pool with float8 q
 ALL_KINDS = ("bf16", "packed", "fp8", "fp8-kv", "packed-q8")
@@ -33,7 +34,8 @@ ALL_KINDS = ("bf16", "packed", "fp8", "fp8-kv", "packed-q8")
 THREE = ("bf16", "packed", "fp8")
 ATTN_KINDS = {GLM: ALL_KINDS, DEEPSEEK: ALL_KINDS, (512, 64, 16): THREE, (256, 64, 64): THREE,
               (256, 0, 1): ("bf16", "fp8"), (256, 0, 8): THREE, (256, 0, 16): ("bf16", "fp8"),
-              (256, 0, 128): ("bf16", "fp8"), (384, 0, 16): THREE, (192, 64, 8): ("bf16",)}
+              (256, 0, 128): ("bf16", "fp8"), (384, 0, 16): THREE, (192, 64, 8): ("bf16",),
+               (512, 0, 16): ("packed",)}
 assert list(ATTN_KINDS) == ATTN_GEOS
 ATTN_CASES = [(geo, kind) for geo in ATTN_GEOS for kind in ATTN_KINDS[geo]]
 
