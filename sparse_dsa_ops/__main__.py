@@ -323,7 +323,9 @@ def target_status(name: str, us: float, rate: float, ratio: float) -> str:
     got = {"TFLOPS": rate, "us": us, "of copy": ratio}[unit]
     margin = value / got - 1 if bound == "<=" else got / value - 1
     text = f"{bound} {value:.0%} {unit}" if unit == "of copy" else f"{bound} {value:g} {unit}"
-    return f"{text}: met by {margin:.1%}" if margin >= 0 else f"{text}: missed by {-margin:.1%}"
+    # (a margin under 0.1% in two decimals: "missed by 0.0%" beside a rate that rounds to the target says nothing)
+    by = f"{abs(margin):.2%}" if abs(margin) < 0.001 else f"{abs(margin):.1%}"
+    return f"{text}: met by {by}" if margin >= 0 else f"{text}: missed by {by}"
 
 
 def bench_row(case: dict, times_us: list[float], ceil: dict[str, float]) -> tuple[list[str], dict]:
