@@ -35,7 +35,7 @@ THREE = ("bf16", "packed", "fp8")
 ATTN_KINDS = {GLM: ALL_KINDS, DEEPSEEK: ALL_KINDS, (512, 64, 16): THREE, (256, 64, 64): THREE,
               (256, 0, 1): ("bf16", "fp8"), (256, 0, 8): THREE, (256, 0, 16): ("bf16", "fp8"),
               (256, 0, 128): ("bf16", "fp8"), (384, 0, 16): THREE, (192, 64, 8): ("bf16",),
-               (512, 0, 16): ("packed",)}
+              (512, 0, 16): ("packed",)}
 assert list(ATTN_KINDS) == ATTN_GEOS
 ATTN_CASES = [(geo, kind) for geo in ATTN_GEOS for kind in ATTN_KINDS[geo]]
 
