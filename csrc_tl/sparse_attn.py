@@ -1190,14 +1190,14 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         tx = T.get_thread_binding() - base
         lane = plane(tx)
         own = tuple(range(passes)) if mine is None else mine  # the passes this warpgroup fills
-        n_mine = len(own)
+        n_own = len(own)
         words = T.view(kv, (s_count, row_w // 2), dtype)  # the rows in 2-byte words, as the stage counts them
         w = piece // 2  # words per cp.async of FP8 values
         if packed:
             scales = T.view(kv, (s_count, row_w // 4), T.float32)
-        ahead = min(WS_INPLACE_AHEAD, n_mine)
-        for step in tuple(range(n_mine + ahead)):  # (a Python loop: unrolled as the pass schedule is built)
-            if step < n_mine:
+        ahead = min(WS_INPLACE_AHEAD, n_own)
+        for step in tuple(range(n_own + ahead)):  # (a Python loop: unrolled as the pass schedule is built)
+            if step < n_own:
                 p = step
                 j = own[p] * rows_per_pass + prow(tx)
                 ok = entry_ok(blk, j, stop, nxt[p])
@@ -1228,13 +1228,13 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                     for i in T.unroll(n_tiles):
                         sc[p, i] = T.if_then_else(ok, sc[p, i], 0.0)
                 T.ptx_commit_group()  # one group per pass: the widening of a pass starts when its copies land
-            if step == n_mine - 1:
+            if step == n_own - 1:
                 load_index(indices, t, blk + 1, nxt, base, mine)
             if step >= ahead:
                 q = step - ahead
                 j = own[q] * rows_per_pass + prow(tx)
                 # this thread's own copies of pass q (T.ptx_wait_group would add a barrier)
-                T.call_extern("handle", "dsa_cp_async_wait", min(step + 1, n_mine) - 1 - q)
+                T.call_extern("handle", "dsa_cp_async_wait", min(step + 1, n_own) - 1 - q)
                 widen(None, dst_l, dst_r, sc, q, j, lane)
                 if d_tail and not packed:
                     for c in T.unroll(tail_chunks):

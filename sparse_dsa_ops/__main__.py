@@ -334,9 +334,10 @@ def bench_row(case: dict, times_us: list[float], ceil: dict[str, float]) -> tupl
     times = sorted(times_us)
     us = statistics.median(times)
     if case["flops"]:
-        rate, unit, ratio = case["flops"] / us / 1e6, "TFLOPS", case["flops"] / us / 1e6 / ceil["matmul_tflops"]
+        rate, unit, ceiling = case["flops"] / us / 1e6, "TFLOPS", ceil["matmul_tflops"]
     else:
-        rate, unit, ratio = case["bytes"] / us / 1e3, "GB/s", case["bytes"] / us / 1e3 / ceil["copy_gbps"]
+        rate, unit, ceiling = case["bytes"] / us / 1e3, "GB/s", ceil["copy_gbps"]
+    ratio = rate / ceiling
     spread = f"{times[0]:.1f}-{times[-1]:.1f}" if len(times) > 1 else ""
     status = target_status(case["name"], us, rate, ratio)
     row = [case["name"], case["path"], f"{us:.1f}", spread, f"{rate:.0f} {unit}", f"{ratio:.0%}", status]
