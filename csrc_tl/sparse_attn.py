@@ -43,8 +43,8 @@ import tilelang.language as T
 
 from sparse_dsa_ops.layout import QUANT_TILE, KCacheLayout
 
-__all__ = ["AttnGeometry", "DEFAULT_TILES", "head_block", "partial_heads", "ws_supported", "ws_block",
-           "ws_inplace_raw_col", "ws_quarters", "build_attn", "build_attn_ws", "build_combine"]
+__all__ = ["AttnGeometry", "DEFAULT_TILES", "DEFAULT_CTAS", "head_block", "partial_heads", "ws_supported", "ws_block",
+           "ws_persistent", "ws_inplace_raw_col", "ws_quarters", "build_attn", "build_attn_ws", "build_combine"]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -715,6 +715,18 @@ __device__ __forceinline__ void dsa_copy16(void* dst, const void* src) {
   *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
 }
 """
+# (named barrier id, threads) of the two consumer warpgroups together, between the work items of a persistent kernel
+WS_CONSUMER_BARRIER = (13, 256)
+# Helpers of the persistent kernels: the consumers' barrier between work items, and an index load at a computed offset
+# (load_index).
+WS_PERSIST = """
+__device__ __forceinline__ void dsa_bar_sync(int id, int n) {
+  asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ int dsa_ld_index(const int* indices, long long offset) { return indices[offset]; }
+"""
+# CTAs of a persistent kernel (build_attn_ws) unless given: the SM count of an H200 or H100 SXM
+DEFAULT_CTAS = 132
 # (named barrier id, threads) of the two consumer warpgroups' partial stores: ids above the few TileLang
 # numbers its own partial syncs with (1-5 in these kernels)
 WS_STORE_BARRIERS = ((14, 128), (15, 128))
@@ -785,6 +797,20 @@ def ws_bulk(geo: AttnGeometry, split: bool, block_i: int = 64) -> bool:
             and geo.kv_row_width % 8 == 0 and geo.kv_row_width - geo.d_v >= 8)
 
 
+def ws_persistent(geo: AttnGeometry, split: bool) -> bool:
+    """Whether :func:`build_attn_ws` builds ``geo``'s kernel persistent (``ctas`` CTAs): the prefill over staged packed
+    rows copied by the TMA unit (:func:`ws_bulk`, GLM's 264-byte rows). Each CTA walks work items (token, head block)
+    one after another, its producer gathering the next item's first blocks while the consumers finish an item,
+    instead of the SM idling through one CTA's end and the next one's start.
+
+    Measured (H200, BENCHMARKS.md, twenty-eighth session): a CTA of the GLM packed prefill at H 64 took about 4.4 us
+    beyond its blocks' 16 x 2.72 us (run FP, times against top-k). Persistent (run FR, two rounds): 1467-1474 against
+    1545 us at H 64, 1409-1426 against 1495-1509 at H 8. The other FP8 prefills gained nothing so, and keep one CTA
+    per item: DeepSeek packed decode T 256 (in-place rows) 356-358 against 356-363 us, GLM native FP8 1285-1288
+    against 1292, DeepSeek native FP8 5121-5166 against 5107-5128."""
+    return not split and geo.kv_kind == "packed" and ws_bulk(geo, split, ws_block(geo, split))
+
+
 def ws_paired_fits(geo: AttnGeometry, block_i: int) -> bool:
     """Whether the paired scheme of :func:`build_attn_ws` fits in shared memory: q, two stages and two
     probability tiles (warpgroup 0's in its stage's tail where that is as wide as a block)."""
@@ -804,7 +830,7 @@ WS_PASS_CONFIGS = {"tl.enable_fast_math": True}
 
 
 def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None = None,
-                  producers: int | None = None, nreg: tuple[int, int, int] | None = None):
+                  producers: int | None = None, nreg: tuple[int, int, int] | None = None, ctas: int = DEFAULT_CTAS):
     """Warp-specialized prefill kernel for Hopper (sm_90, CUDA only: mbarriers and setmaxnreg): a
     producer warpgroup gathers (and for a packed pool dequantizes) the next top-k block into the
     other of two shared stages while two consumer warpgroups run the GEMMs and the softmax on the
@@ -885,9 +911,17 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
     nreg = WS_NREG[scheme] if nreg is None else nreg
     check_ws_nreg(nreg, n_prod)
 
+    # A persistent prefill over FP8 rows: a grid of at most `ctas` CTAs, each of which walks the work items (token,
+    # head block) bx, bx + ctas, ... one after another, its producer running on into the next item's first blocks
+    # while the consumers finish an item (see `work`).
+    persist = ws_persistent(geo, split)
+    assert ctas >= 1, "a persistent kernel needs at least one CTA"
+
     quarters = ws_quarters(geo, split, block_i)  # which producer threads share a row
     bulk = ws_bulk(geo, split, block_i)  # staged packed rows by one TMA bulk copy each
     assert not bulk or (staged and packed and not d_tail), "bulk copies: staged packed rows without a tail"
+    # (a persistent kernel's items have a multiple of 4 producer blocks there, so the landing phases restart with each)
+    assert not (bulk and persist) or subs % 2 == 0, "persistent bulk copies need stages of an even number of raw blocks"
     # bytes of a raw slot: a bulk-copied row may land 8 bytes in, with 8 more bytes after its values
     raw_w = d_v + (16 if bulk else RAW_PAD if quarters else 0)
 
@@ -907,6 +941,54 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
     # rows or the tail offset are not 16-byte aligned, as in the 392-byte 256+64 row), FP8 values
     tail_piece = (8 if row_w % 16 == 0 and geo.layout.rope_offset % 16 == 0 else 4) if packed else 8
 
+    def work(bx, by, i, topk_length, *item0):
+        """``(t, h0, first, stop, n_blk, pairs, walk)`` of work item ``i`` of the CTA ``(bx, by)``: its token, first head
+        and first top-k block, the end of its valid entries, its blocks, the pairs of them and the blocks it walks. A
+        kernel that is not persistent has one item, ``item0``. A persistent kernel walks at least one pair for an
+        empty row too, so that every item fills both stages and the stages' phases alternate with the pairs."""
+        if not persist:
+            return item0
+        w = bx + i * ctas
+        t = w // groups
+        n_valid = T.max(T.min(topk_length[t], k_count), 0) if geo.has_topk_length else k_count
+        n_blk = T.ceildiv(n_valid, block_i)
+        pairs = T.max(T.ceildiv(n_blk, 2), 1)
+        return t, w % groups * hb, 0, n_valid, n_blk, pairs, 2 * pairs
+
+    def next_token(bx, i, t):
+        """The token of a persistent CTA's work item after ``i`` (the last token if there is none), else ``t``."""
+        return T.min((bx + (i + 1) * ctas) // groups, t_count - 1) if persist else t
+
+    def next_stop(bx, i, t_n, topk_length):
+        """The end of the valid entries of a persistent CTA's work item after ``i`` (token ``t_n``), 0 if there is
+        none."""
+        if not persist:
+            return 0
+        n_valid = T.max(T.min(topk_length[t_n], k_count), 0) if geo.has_topk_length else k_count
+        return T.if_then_else(bx + (i + 1) * ctas < t_count * groups, n_valid, 0)
+
+    def work_items(n_items):
+        """The loop over a CTA's work items: one (item 0, a Python loop) unless persistent."""
+        return T.serial(n_items) if persist else (0,)
+
+    def pair_phase(base, pair):
+        """The stages' phase in pair ``pair`` of the current work item (``base[0]`` blocks before it)."""
+        return (base[0] // 2 + pair) & 1 if persist else pair & 1
+
+    def global_block(base, it):
+        """Block ``it`` of the current work item counted over the CTA's items (``base[0]`` blocks before it)."""
+        return base[0] + it if persist else it
+
+    @T.macro
+    def set_after(after, b, nb, t, stop, nx):
+        """Persistent kernels: ``after`` (registers) of :func:`produce_staged` for producer block ``b`` of a work item of
+        ``nb`` producer blocks (token ``t``, end ``stop``; the next item's token and end in ``nx``): the next producer
+        block and its end, and the token and producer block after that."""
+        after[0] = T.if_then_else(b + 1 < nb, b + 1, b + 1 - nb)
+        after[1] = T.if_then_else(b + 1 < nb, stop, nx[1])
+        after[2] = T.if_then_else(b + 2 < nb, t, nx[0])
+        after[3] = T.if_then_else(b + 2 < nb, b + 2, b + 2 - nb)
+
     def row_views(kv):
         """The FP8 values, float32 scales and bf16 tails of packed rows ``kv``."""
         return (T.view(kv, (s_count, row_w), T.float8_e4m3fn), T.view(kv, (s_count, row_w // 4), T.float32),
@@ -922,9 +1004,17 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         """``slot[p]``: the raw index of this thread's row in pass ``p`` of producer block ``blk`` (clamped
         into the row, unchecked). Nothing here reads the loaded values, so the loads stay in flight
         until :func:`issue_raw` checks them, a block later. With ``mine`` (passes of the block), ``slot[k]``
-        is that of pass ``mine[k]``; ``base`` is the first thread of the warpgroup that loads."""
+        is that of pass ``mine[k]``; ``base`` is the first thread of the warpgroup that loads.
+
+        A persistent kernel loads through ``dsa_ld_index`` at an offset it computes (``t`` is a token TileLang cannot
+        bound there, and it wrapped each load in a bounds check of its own)."""
         tx = T.get_thread_binding() - base
-        if mine is None:
+        if persist:
+            for k in tuple(range(passes if mine is None else len(mine))):
+                pos = T.min(blk * block_p + (k if mine is None else mine[k]) * rows_per_pass + prow(tx), k_count - 1)
+                slot[k] = T.call_extern("int32", "dsa_ld_index", T.address_of(indices[0, 0]),
+                                        T.cast(t, "int64") * k_count + pos)
+        elif mine is None:
             for p in T.unroll(passes):
                 pos = blk * block_p + p * rows_per_pass + prow(tx)
                 slot[p] = indices[t, T.min(pos, k_count - 1)]
@@ -1148,14 +1238,16 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
 
     @T.macro
     def produce_staged(kv, indices, t, blk, stop, nxt, ok_now, ok_next, raw_next, raw_now, dst_l, dst_r, dst_t, ok_s,
-                       ready, free, phase, sub, landed_phase):
+                       ready, free, phase, sub, landed_phase, after=None):
         """One producer block (``block_p`` rows) of the staged producer: start the raw copy of block
         ``blk + 1`` (its indices ``nxt`` were loaded one block earlier) and the index loads of ``blk + 2``,
         then widen block ``blk``, whose raw copy was started one block earlier, into part ``sub`` of
         its stage (rows ``sub * block_p`` on): the first part waits for the stage to be free, the last
-        one marks it ready."""
-        issue_raw(kv, nxt, blk + 1, stop, ok_next, *raw_next)
-        load_index(indices, t, blk + 2, nxt)
+        one marks it ready. A persistent kernel passes ``after = (blk1, stop1, t2, blk2)``: the two
+        producer blocks after this one, which may be the next work item's (see ``persist``)."""
+        blk1, stop1, t2, blk2 = (blk + 1, stop, t, blk + 2) if after is None else after
+        issue_raw(kv, nxt, blk1, stop1, ok_next, *raw_next)
+        load_index(indices, t2, blk2, nxt)
         if bulk:
             T.barrier_wait(raw_now[3], landed_phase)  # the bulk copies of block blk have landed
         else:
@@ -1171,7 +1263,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
 
     @T.macro
     def produce_inplace(kv, indices, t, blk, stop, nxt, sc, dst_l, dst_r, dst_t, ok_s, ready, free, phase, base=256,
-                        mine=None):
+                        mine=None, after=None):
         """Gather top-k block ``blk`` (raw indices ``nxt``, loaded one block earlier) into a stage and
         widen it there. Each thread copies the raw bytes of each of its 16-value chunks by cp.async into
         the row's stage, the eight lanes of a row side by side (:func:`ws_inplace_raw_col`), waits for
@@ -1185,7 +1277,8 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
 
         ``base`` is the first thread of the warpgroup that runs it (the producer's, or consumer warpgroup
         1's) and ``mine`` the passes of the block it fills (default all); ``nxt`` and ``sc`` hold its
-        passes only."""
+        passes only. ``after = (t1, blk1)``: the block whose indices it loads next (default ``(t, blk + 1)``;
+        in a persistent kernel the next work item's first block after an item's last)."""
         T.barrier_wait(free, phase ^ 1)
         tx = T.get_thread_binding() - base
         lane = plane(tx)
@@ -1229,7 +1322,8 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                         sc[p, i] = T.if_then_else(ok, sc[p, i], 0.0)
                 T.ptx_commit_group()  # one group per pass: the widening of a pass starts when its copies land
             if step == n_own - 1:
-                load_index(indices, t, blk + 1, nxt, base, mine)
+                t1, blk1 = (t, blk + 1) if after is None else after
+                load_index(indices, t1, blk1, nxt, base, mine)
             if step >= ahead:
                 q = step - ahead
                 j = own[q] * rows_per_pass + prow(tx)
@@ -1281,11 +1375,11 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
     calls_widen = inplace or (staged and not packed)  # (see widen_raw)
     prelude = ((WS_PRELUDE if paired else "") + (WS_COPY if inplace or halves or bulk else "")
                + (WS_CONVERT if calls_widen or bulk else "") + (WS_WIDEN if calls_widen else "")
-               + (WS_BULK if bulk else "") + (WS_STORE if split else "")) or None
+               + (WS_BULK if bulk else "") + (WS_STORE if split else "") + (WS_PERSIST if persist else "")) or None
 
     @T.macro
     def attend(q, kv, indices, topk_length, out, lse):
-        grid = (t_count * groups, n_split if split else 1)
+        grid = (T.min(t_count * groups, ctas), 1) if persist else (t_count * groups, n_split if split else 1)
         with T.Kernel(*grid, threads=128 * (2 + n_prod), prelude=prelude) as (bx, by):
             if split:
                 # Programmatic dependent launch (decode, where launches are a large part of the time):
@@ -1374,26 +1468,31 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                 done = T.alloc_barrier(arrive_count=128)
             q_ready = T.alloc_barrier(arrive_count=256)
 
-            t = bx // groups
-            h0 = (bx % groups) * hb
-            if geo.has_topk_length:
-                n_valid = T.max(T.min(topk_length[t], k_count), 0)
+            if persist:
+                # each warpgroup walks the CTA's work items itself (see work): nothing here stays live into them
+                t, h0, first, stop, n_blk, pairs, walk = None, None, None, None, None, None, None
             else:
-                n_valid = k_count
-            # this block's top-k blocks [first, first + 2 * pairs); entries at or past `stop` are invalid
-            if split:
-                per_split = T.ceildiv(k_count // block_i, n_split)
-                first = by * per_split
-                stop = T.min(n_valid, (first + per_split) * block_i)
-            else:
-                first, stop = 0, n_valid
-            n_blk = T.max(T.ceildiv(stop, block_i) - first, 0)
-            # pairs of blocks, one in each stage. A prefill kernel walks whole pairs: a last odd block has
-            # an empty padding partner (without it, the packed prefill ran 4% slower: BENCHMARKS.md,
-            # eleventh session). A split kernel walks its blocks only: GLM decode T 17 takes 7 splits of
-            # 5 blocks, not 6 of 6 (H200: 18.1 against 18.8 us over packed rows).
-            pairs = T.ceildiv(n_blk, 2)
-            walk = n_blk if split else 2 * pairs
+                t = bx // groups
+                h0 = (bx % groups) * hb
+                if geo.has_topk_length:
+                    n_valid = T.max(T.min(topk_length[t], k_count), 0)
+                else:
+                    n_valid = k_count
+                # this block's top-k blocks [first, first + 2 * pairs); entries at or past `stop` are invalid
+                if split:
+                    per_split = T.ceildiv(k_count // block_i, n_split)
+                    first = by * per_split
+                    stop = T.min(n_valid, (first + per_split) * block_i)
+                else:
+                    first, stop = 0, n_valid
+                n_blk = T.max(T.ceildiv(stop, block_i) - first, 0)
+                # pairs of blocks, one in each stage. A prefill kernel walks whole pairs: a last odd block has
+                # an empty padding partner (without it, the packed prefill ran 4% slower: BENCHMARKS.md,
+                # eleventh session). A split kernel walks its blocks only: GLM decode T 17 takes 7 splits of
+                # 5 blocks, not 6 of 6 (H200: 18.1 against 18.8 us over packed rows).
+                pairs = T.ceildiv(n_blk, 2)
+                walk = n_blk if split else 2 * pairs
+            n_items = T.ceildiv(t_count * groups - bx, ctas) if persist else 1  # work items of this CTA (see work)
 
             # setmaxnreg moves registers between the warpgroups of the CTA (budgets: WS_NREG). Paired
             # (the prefill of narrow bf16 rows): warpgroup 0 scores the block in stage 0 and warpgroup 1
@@ -1409,12 +1508,12 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
             tx = T.get_thread_binding()
             if tx < 128:
                 T.set_max_nreg(nreg[0], 1)
-                stage_q(q, q_l, q_r, qt_s, t, h0, tx, q_ready)
-                T.fill(acc_o, 0)
-                T.fill(sumexp, 0)
-                T.fill(m_i, NEG_START)
-                T.barrier_wait(q_ready, 0)
                 if paired:
+                    stage_q(q, q_l, q_r, qt_s, t, h0, tx, q_ready)
+                    T.fill(acc_o, 0)
+                    T.fill(sumexp, 0)
+                    T.fill(m_i, NEG_START)
+                    T.barrier_wait(q_ready, 0)
                     # Halves: the scores of the first pair's block here; those of each later pair are issued
                     # under the last PV GEMM of the pair before. ptxas serializes every wgmma of the
                     # kernel (C7515) if an accumulator is written by other instructions while a GEMM is
@@ -1494,61 +1593,78 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                     normalize(acc_o, sum_i, m_i, sumexp, scale2)
                     store_rows(out, None, acc_o, q_l, None, t, by if split else None, h0, 0, heads)
                 else:
-                    for it in T.serial(walk):
-                        phase = (it // 2) & 1
-                        if it % 2 == 0:
-                            T.barrier_wait(ready0, phase)
-                        else:
-                            T.barrier_wait(ready1, phase)
-                        if copies_async:
-                            T.fence_proxy_async()  # cp.async wrote the stage; wgmma reads it through the async proxy
-                        for h, j in T.Parallel(hb, block_i):
-                            ok = T.if_then_else(it % 2 == 0, ok0[j], ok1[j])
-                            acc_s[h, j] = T.if_then_else(ok != 0, 0, -T.infinity(acc))
-                        # the score GEMMs are issued back to back and waited for once
-                        if it % 2 == 0:
-                            T.wgmma_gemm(q_l, kv_l0, acc_s, transpose_B=True)
-                            T.wgmma_gemm(q_r, kv_r0, acc_s, transpose_B=True)
-                            if d_tail:
-                                T.wgmma_gemm(qt_s, kt_s0, acc_s, transpose_B=True)
-                        else:
-                            T.wgmma_gemm(q_l, kv_l1, acc_s, transpose_B=True)
-                            T.wgmma_gemm(q_r, kv_r1, acc_s, transpose_B=True)
-                            if d_tail:
-                                T.wgmma_gemm(qt_s, kt_s1, acc_s, transpose_B=True)
-                        T.wait_wgmma(0)
-                        if it > 0:
-                            T.barrier_wait(p_free, (it - 1) & 1)  # warpgroup 1 is done with p_s and alpha_s
-                        online_softmax(acc_s, acc_o, m_i, m_prev, alpha, sum_i, sumexp, scale2)
-                        T.copy(alpha, alpha_s)
-                        T.copy(acc_s, p_s)
-                        # warpgroup 1 may start its half of PV now, beside this warpgroup's half
-                        T.fence_proxy_async()
-                        T.barrier_arrive(p_ready)
-                        if it % 2 == 0:
-                            T.gemm(p_s, kv_l0, acc_o)
-                        else:
-                            T.gemm(p_s, kv_l1, acc_o)
-                        if it % 2 == 0:
-                            T.barrier_arrive(free0)
-                        else:
-                            T.barrier_arrive(free1)
-                    reciprocal(sum_s, sumexp)  # warpgroup 1 scales its half by it
-                    T.barrier_arrive(done)
-                    normalize(acc_o, sum_i, m_i, sumexp, scale2)
-                    store_rows(out, lse, acc_o, q_l, sum_i, t, by if split else None, h0, 0, heads,
-                               WS_STORE_BARRIERS[0] if split else None)
-                    if split:
-                        # the combine may launch now (the first thread's trigger counts for the CTA).
-                        # Measured (H200, BENCHMARKS.md, eighteenth session, both with the combine's own
-                        # trigger): GLM packed decode T 17 14.5-14.7 us against 14.7-14.9 with the trigger
-                        # at this kernel's start
-                        T.pdl_trigger()
+                    base = T.alloc_local((1,), T.int32) if persist else None  # blocks of the earlier work items
+                    if persist:
+                        base[0] = 0
+                    for i in work_items(n_items):
+                        t_i, h0_i, first_i, stop_i, n_blk_i, pairs_i, walk_i = work(bx, by, i, topk_length, t, h0, first,
+                                                                                    stop, n_blk, pairs, walk)
+                        if i > 0:
+                            # both consumer warpgroups have stored the last item's rows through q's tiles
+                            T.call_extern("handle", "dsa_bar_sync", *WS_CONSUMER_BARRIER)
+                        stage_q(q, q_l, q_r, qt_s, t_i, h0_i, tx, q_ready)
+                        T.fill(acc_o, 0)
+                        T.fill(sumexp, 0)
+                        T.fill(m_i, NEG_START)
+                        T.barrier_wait(q_ready, i & 1)
+                        for it in T.serial(walk_i):
+                            # (base is even: the stage of a block is that of it)
+                            phase = (global_block(base, it) // 2) & 1
+                            if it % 2 == 0:
+                                T.barrier_wait(ready0, phase)
+                            else:
+                                T.barrier_wait(ready1, phase)
+                            if copies_async:
+                                T.fence_proxy_async()  # cp.async wrote the stage; wgmma reads it through the async proxy
+                            for h, j in T.Parallel(hb, block_i):
+                                ok = T.if_then_else(it % 2 == 0, ok0[j], ok1[j])
+                                acc_s[h, j] = T.if_then_else(ok != 0, 0, -T.infinity(acc))
+                            # the score GEMMs are issued back to back and waited for once
+                            if it % 2 == 0:
+                                T.wgmma_gemm(q_l, kv_l0, acc_s, transpose_B=True)
+                                T.wgmma_gemm(q_r, kv_r0, acc_s, transpose_B=True)
+                                if d_tail:
+                                    T.wgmma_gemm(qt_s, kt_s0, acc_s, transpose_B=True)
+                            else:
+                                T.wgmma_gemm(q_l, kv_l1, acc_s, transpose_B=True)
+                                T.wgmma_gemm(q_r, kv_r1, acc_s, transpose_B=True)
+                                if d_tail:
+                                    T.wgmma_gemm(qt_s, kt_s1, acc_s, transpose_B=True)
+                            T.wait_wgmma(0)
+                            if global_block(base, it) > 0:  # warpgroup 1 is done with p_s and alpha_s
+                                T.barrier_wait(p_free, (global_block(base, it) - 1) & 1)
+                            online_softmax(acc_s, acc_o, m_i, m_prev, alpha, sum_i, sumexp, scale2)
+                            T.copy(alpha, alpha_s)
+                            T.copy(acc_s, p_s)
+                            # warpgroup 1 may start its half of PV now, beside this warpgroup's half
+                            T.fence_proxy_async()
+                            T.barrier_arrive(p_ready)
+                            if it % 2 == 0:
+                                T.gemm(p_s, kv_l0, acc_o)
+                            else:
+                                T.gemm(p_s, kv_l1, acc_o)
+                            if it % 2 == 0:
+                                T.barrier_arrive(free0)
+                            else:
+                                T.barrier_arrive(free1)
+                        reciprocal(sum_s, sumexp)  # warpgroup 1 scales its half by it
+                        T.barrier_arrive(done)
+                        normalize(acc_o, sum_i, m_i, sumexp, scale2)
+                        store_rows(out, lse, acc_o, q_l, sum_i, t_i, by if split else None, h0_i, 0, heads,
+                                   WS_STORE_BARRIERS[0] if split else None)
+                        if split:
+                            # the combine may launch now (the first thread's trigger counts for the CTA).
+                            # Measured (H200, BENCHMARKS.md, eighteenth session, both with the combine's own
+                            # trigger): GLM packed decode T 17 14.5-14.7 us against 14.7-14.9 with the trigger
+                            # at this kernel's start
+                            T.pdl_trigger()
+                        if persist:
+                            base[0] = base[0] + walk_i
             elif tx >= 128 and tx < 256:
                 T.set_max_nreg(nreg[1], 1)
-                stage_q(q, q_l, q_r, qt_s, t, h0, tx, q_ready)
-                T.fill(acc_o_r, 0)
                 if paired:
+                    stage_q(q, q_l, q_r, qt_s, t, h0, tx, q_ready)
+                    T.fill(acc_o_r, 0)
                     flag_r = T.alloc_local((1,), T.int32) if halves else None
                     T.fill(sumexp_r, 0)
                     T.fill(m_r, NEG_START)
@@ -1608,53 +1724,105 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                     normalize(acc_o_r, sum_r, m_r, sumexp_r, scale2)
                     store_rows(out, lse, acc_o_r, q_r, sum_r, t, by if split else None, h0, half, heads)
                 else:
+                    base = T.alloc_local((1,), T.int32) if persist else None  # blocks of the earlier work items
+                    if persist:
+                        base[0] = 0
                     if wg1_widens:
                         nxt1 = T.alloc_local((1,), T.int32)
                         sc1 = T.alloc_local((1, n_tiles), acc)
-                        load_index(indices, t, first, nxt1, 128, wg1_passes)
-                        if walk > 0:
-                            produce_inplace(kv, indices, t, first, stop, nxt1, sc1, kv_l0, kv_r0, kt_s0, ok0, ready0,
-                                            free0, 0, 128, wg1_passes)
-                    for it in T.serial(walk):
+                        nx1 = T.alloc_local((2,), T.int32) if persist else None  # the next work item's token and end
+                        after1 = T.alloc_local((2,), T.int32) if persist else None
+                    for i in work_items(n_items):
+                        t_i, h0_i, first_i, stop_i, n_blk_i, pairs_i, walk_i = work(bx, by, i, topk_length, t, h0, first,
+                                                                                    stop, n_blk, pairs, walk)
+                        if i > 0:
+                            T.call_extern("handle", "dsa_bar_sync", *WS_CONSUMER_BARRIER)  # (see warpgroup 0)
+                        stage_q(q, q_l, q_r, qt_s, t_i, h0_i, tx, q_ready)
+                        T.fill(acc_o_r, 0)
                         if wg1_widens:
-                            # this warpgroup's rows of the next block, before it waits for this one's probabilities
-                            if it + 1 < walk:
-                                if (it + 1) % 2 == 0:
-                                    produce_inplace(kv, indices, t, first + it + 1, stop, nxt1, sc1, kv_l0, kv_r0,
-                                                    kt_s0, ok0, ready0, free0, ((it + 1) // 2) & 1, 128, wg1_passes)
-                                else:
-                                    produce_inplace(kv, indices, t, first + it + 1, stop, nxt1, sc1, kv_l1, kv_r1,
-                                                    kt_s1, ok1, ready1, free1, ((it + 1) // 2) & 1, 128, wg1_passes)
-                        T.barrier_wait(p_ready, it & 1)
-                        if copies_async:
-                            T.fence_proxy_async()
+                            if i == 0:
+                                # this warpgroup's rows of the first block (those of a later item's first block
+                                # are gathered during the item before, below)
+                                load_index(indices, t_i, first_i, nxt1, 128, wg1_passes)
+                                if walk_i > 0:
+                                    produce_inplace(kv, indices, t_i, first_i, stop_i, nxt1, sc1, kv_l0, kv_r0, kt_s0, ok0,
+                                                    ready0, free0, 0, 128, wg1_passes)
+                        if wg1_widens and persist:
+                            nx1[0] = next_token(bx, i, t_i)
+                            nx1[1] = next_stop(bx, i, nx1[0], topk_length)
+                        for it in T.serial(walk_i):
+                            if wg1_widens:
+                                # this warpgroup's rows of the next block, before it waits for this one's
+                                # probabilities; after an item's last block, the next item's first (persistent)
+                                if it + 1 < walk_i:
+                                    if persist:
+                                        after1[0] = T.if_then_else(it + 2 < walk_i, t_i, nx1[0])
+                                        after1[1] = T.if_then_else(it + 2 < walk_i, it + 2, 0)
+                                    after = (after1[0], after1[1]) if persist else None
+                                    if (it + 1) % 2 == 0:
+                                        produce_inplace(kv, indices, t_i, first_i + it + 1, stop_i, nxt1, sc1, kv_l0, kv_r0,
+                                                        kt_s0, ok0, ready0, free0, ((global_block(base, it) + 1) // 2) & 1, 128, wg1_passes,
+                                                        after)
+                                    else:
+                                        produce_inplace(kv, indices, t_i, first_i + it + 1, stop_i, nxt1, sc1, kv_l1, kv_r1,
+                                                        kt_s1, ok1, ready1, free1, ((global_block(base, it) + 1) // 2) & 1, 128, wg1_passes,
+                                                        after)
+                                elif persist:
+                                    if i + 1 < n_items:
+                                        produce_inplace(kv, indices, nx1[0], 0, nx1[1], nxt1, sc1, kv_l0, kv_r0, kt_s0,
+                                                        ok0, ready0, free0, ((global_block(base, it) + 1) // 2) & 1, 128, wg1_passes)
+                            T.barrier_wait(p_ready, global_block(base, it) & 1)
+                            if copies_async:
+                                T.fence_proxy_async()
+                            for h, d in T.Parallel(hb, half):
+                                acc_o_r[h, d] = acc_o_r[h, d] * alpha_s[h]
+                            if it % 2 == 0:
+                                T.gemm(p_s, kv_r0, acc_o_r)
+                                T.barrier_arrive(free0)
+                            else:
+                                T.gemm(p_s, kv_r1, acc_o_r)
+                                T.barrier_arrive(free1)
+                            T.barrier_arrive(p_free)
+                        T.barrier_wait(done, i & 1)
                         for h, d in T.Parallel(hb, half):
-                            acc_o_r[h, d] = acc_o_r[h, d] * alpha_s[h]
-                        if it % 2 == 0:
-                            T.gemm(p_s, kv_r0, acc_o_r)
-                            T.barrier_arrive(free0)
-                        else:
-                            T.gemm(p_s, kv_r1, acc_o_r)
-                            T.barrier_arrive(free1)
-                        T.barrier_arrive(p_free)
-                    T.barrier_wait(done, 0)
-                    for h, d in T.Parallel(hb, half):
-                        acc_o_r[h, d] = acc_o_r[h, d] * sum_s[h]
-                    store_rows(out, None, acc_o_r, q_r, None, t, by if split else None, h0, half, heads,
-                               WS_STORE_BARRIERS[1] if split else None)
+                            acc_o_r[h, d] = acc_o_r[h, d] * sum_s[h]
+                        store_rows(out, None, acc_o_r, q_r, None, t_i, by if split else None, h0_i, half, heads,
+                                   WS_STORE_BARRIERS[1] if split else None)
+                        if persist:
+                            base[0] = base[0] + walk_i
             elif tx >= 256:
                 T.set_max_nreg(nreg[2], 0)
                 if inplace:
                     n_own = passes if prod_passes is None else len(prod_passes)
                     nxt = T.alloc_local((n_own,), T.int32)
                     sc = T.alloc_local((n_own, n_tiles), acc) if packed else None  # the rows' scales
-                    load_index(indices, t, first, nxt, 256, prod_passes)
-                    for pair in T.serial(pairs):
-                        produce_inplace(kv, indices, t, first + 2 * pair, stop, nxt, sc, kv_l0, kv_r0, kt_s0, ok0,
-                                        ready0, free0, pair & 1, 256, prod_passes)
-                        if not split or 2 * pair + 1 < n_blk:  # (a split kernel walks no padding block)
-                            produce_inplace(kv, indices, t, first + 2 * pair + 1, stop, nxt, sc, kv_l1, kv_r1, kt_s1,
-                                            ok1, ready1, free1, pair & 1, 256, prod_passes)
+                    base = T.alloc_local((1,), T.int32) if persist else None  # blocks of the earlier work items
+                    t_n = T.alloc_local((1,), T.int32) if persist else None  # the next work item's token
+                    after = T.alloc_local((2,), T.int32) if persist else None
+                    if persist:
+                        base[0] = 0
+                    t_0, h0_0, first_0, stop_0, n_blk_0, pairs_0, walk_0 = work(bx, by, 0, topk_length, t, h0, first,
+                                                                                stop, n_blk, pairs, walk)
+                    load_index(indices, t_0, first_0, nxt, 256, prod_passes)
+                    for i in work_items(n_items):
+                        t_i, h0_i, first_i, stop_i, n_blk_i, pairs_i, walk_i = work(bx, by, i, topk_length, t, h0, first,
+                                                                                    stop, n_blk, pairs, walk)
+                        if persist:
+                            t_n[0] = next_token(bx, i, t_i)
+                        for pair in T.serial(pairs_i):
+                            phase = pair_phase(base, pair)
+                            produce_inplace(kv, indices, t_i, first_i + 2 * pair, stop_i, nxt, sc, kv_l0, kv_r0, kt_s0, ok0,
+                                            ready0, free0, phase, 256, prod_passes)
+                            if persist:
+                                # the block whose indices the next call loads: after an item's last, the next item's first
+                                after[0] = T.if_then_else(2 * pair + 2 < walk_i, t_i, t_n[0])
+                                after[1] = T.if_then_else(2 * pair + 2 < walk_i, 2 * pair + 2, 0)
+                            if not split or 2 * pair + 1 < n_blk_i:  # (a split kernel walks no padding block)
+                                produce_inplace(kv, indices, t_i, first_i + 2 * pair + 1, stop_i, nxt, sc, kv_l1, kv_r1,
+                                                kt_s1, ok1, ready1, free1, phase, 256, prod_passes,
+                                                (after[0], after[1]) if persist else None)
+                        if persist:
+                            base[0] = base[0] + walk_i
                 elif staged:
                     nxt = T.alloc_local((passes,), T.int32)
                     ok_a = T.alloc_local((passes,), T.int32)  # valid rows of the block in raw0
@@ -1667,23 +1835,47 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                     # then has its indices at hand instead of a load round trip later
                     nxt2 = T.alloc_local((passes,), T.int32)
                     # (producer blocks: `subs` per stage; their raw stages alternate, raw0 first in a pair)
-                    load_index(indices, t, first * subs, nxt)
-                    load_index(indices, t, first * subs + 1, nxt2)
-                    issue_raw(kv, nxt, first * subs, stop, ok_a, *raw_a)
+                    t_0, h0_0, first_0, stop_0, n_blk_0, pairs_0, walk_0 = work(bx, by, 0, topk_length, t, h0, first,
+                                                                                stop, n_blk, pairs, walk)
+                    load_index(indices, t_0, first_0 * subs, nxt)
+                    load_index(indices, t_0, first_0 * subs + 1, nxt2)
+                    issue_raw(kv, nxt, first_0 * subs, stop_0, ok_a, *raw_a)
                     for p in T.unroll(passes):
                         nxt[p] = nxt2[p]
                     parts = ((ok_a, ok_b, raw_b, raw_a), (ok_b, ok_a, raw_a, raw_b))  # (now, next) by parity
-                    for pair in T.serial(pairs):
-                        blk = (first + 2 * pair) * subs
-                        # producer block k of the CTA (2 * subs a pair) is raw stage k % 2's use k // 2
-                        for sub in tuple(range(subs)):
-                            produce_staged(kv, indices, t, blk + sub, stop, nxt, *parts[sub % 2], kv_l0, kv_r0, kt_s0,
-                                           ok0, ready0, free0, pair & 1, sub, (pair * subs + sub // 2) & 1)
-                        if not split or 2 * pair + 1 < n_blk:  # (a split kernel walks no padding block)
+                    base = T.alloc_local((1,), T.int32) if persist else None  # blocks of the earlier work items
+                    if persist:
+                        base[0] = 0
+                    # (persistent) the next work item's token and end, and the two producer blocks after the current one
+                    nx = T.alloc_local((2,), T.int32) if persist else None
+                    after = T.alloc_local((4,), T.int32) if persist else None
+                    for i in work_items(n_items):
+                        t_i, h0_i, first_i, stop_i, n_blk_i, pairs_i, walk_i = work(bx, by, i, topk_length, t, h0, first,
+                                                                                    stop, n_blk, pairs, walk)
+                        if persist:
+                            nx[0] = next_token(bx, i, t_i)
+                            nx[1] = next_stop(bx, i, nx[0], topk_length)
+                        for pair in T.serial(pairs_i):
+                            blk = (first_i + 2 * pair) * subs
+                            phase = pair_phase(base, pair)
+                            # producer block k of the CTA (2 * subs a pair) is raw stage k % 2's use k // 2 (the
+                            # blocks of a work item are a multiple of 4)
                             for sub in tuple(range(subs)):
-                                produce_staged(kv, indices, t, blk + subs + sub, stop, nxt, *parts[(subs + sub) % 2],
-                                               kv_l1, kv_r1, kt_s1, ok1, ready1, free1, pair & 1, sub,
-                                               (pair * subs + (subs + sub) // 2) & 1)
+                                if persist:
+                                    set_after(after, blk + sub, walk_i * subs, t_i, stop_i, nx)
+                                produce_staged(kv, indices, t_i, blk + sub, stop_i, nxt, *parts[sub % 2], kv_l0, kv_r0,
+                                               kt_s0, ok0, ready0, free0, phase, sub, (pair * subs + sub // 2) & 1,
+                                               (after[0], after[1], after[2], after[3]) if persist else None)
+                            if not split or 2 * pair + 1 < n_blk_i:  # (a split kernel walks no padding block)
+                                for sub in tuple(range(subs)):
+                                    if persist:
+                                        set_after(after, blk + subs + sub, walk_i * subs, t_i, stop_i, nx)
+                                    produce_staged(kv, indices, t_i, blk + subs + sub, stop_i, nxt,
+                                                   *parts[(subs + sub) % 2], kv_l1, kv_r1, kt_s1, ok1, ready1, free1,
+                                                   phase, sub, (pair * subs + (subs + sub) // 2) & 1,
+                                                   (after[0], after[1], after[2], after[3]) if persist else None)
+                        if persist:
+                            base[0] = base[0] + walk_i
                     if not bulk:
                         T.call_extern("handle", "tl::cp_async_wait<0>")  # the last (empty) copies land before exit
                 elif halves:

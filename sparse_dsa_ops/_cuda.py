@@ -34,7 +34,8 @@ class KernelKey:
 
     family: str  # quant | store | dequant | gather_dequant | gather | attn_prefill(_ws) | attn_decode(_ws) | combine
     spec: object  # KCacheLayout, csrc_tl.sparse_attn.AttnGeometry or (d_v, heads, partial head rows)
-    flags: tuple = ()  # family-specific: round_scale, slot dtype; "pdl" for a combine launched as a dependent
+    flags: tuple = ()  # family-specific: round_scale, slot dtype; "pdl" for a combine launched as a dependent; the CTAs
+    # of a persistent prefill kernel
 
     @property
     def name(self) -> str:
@@ -58,7 +59,7 @@ def program(key: KernelKey):
     if fam == "gather":
         return k_cache.build_gather_bytes(spec, slot_dtype=flags[0])
     if fam in ("attn_prefill_ws", "attn_decode_ws"):
-        return sparse_attn.build_attn_ws(spec, split=fam == "attn_decode_ws")
+        return sparse_attn.build_attn_ws(spec, split=fam == "attn_decode_ws", **({"ctas": flags[0]} if flags else {}))
     if fam in ("attn_prefill", "attn_decode"):
         path = fam.removeprefix("attn_")
         return sparse_attn.build_attn(spec, split=path == "decode", **sparse_attn.DEFAULT_TILES[path])
@@ -80,14 +81,16 @@ def cache_keys(op: str, layout: KCacheLayout, round_scale: bool = False, slot_dt
 
 def attn_keys(kv_kind: str, d_v: int, d_rope: int, heads: int, sm_scale: float, has_topk_length: bool,
               paths: Iterable[str] = ("prefill", "decode"), target: str | None = None,
-              q_fp8: bool = False) -> list[KernelKey]:
+              q_fp8: bool = False, sm_count: int | None = None) -> list[KernelKey]:
     """The kernels ``sparse_attn`` runs for one geometry on ``target`` (default: this machine's), in
     this order: the prefill kernel; the split decode kernels; the decode's combine (last).
 
     Where the geometry allows on sm_90 CUDA (any head count), prefill and split decode are
     warp-specialized, else both are the portable kernels. ``kv_kind`` is "bf16", "fp8" or "packed";
-    ``q_fp8`` picks the kernels for a float8_e4m3fn q."""
-    from csrc_tl.sparse_attn import AttnGeometry, partial_heads, ws_supported
+    ``q_fp8`` picks the kernels for a float8_e4m3fn q. A persistent prefill kernel
+    (:func:`csrc_tl.sparse_attn.ws_persistent`) is compiled for ``sm_count`` CTAs: by default the current GPU's SM
+    count, or :data:`csrc_tl.sparse_attn.DEFAULT_CTAS` (an H200's) for another target or without a GPU."""
+    from csrc_tl.sparse_attn import DEFAULT_CTAS, AttnGeometry, partial_heads, ws_persistent, ws_supported
 
     geo = AttnGeometry(d_v, d_rope, heads, kv_kind, has_topk_length, float(sm_scale), q_fp8)
     geo.check()
@@ -95,7 +98,13 @@ def attn_keys(kv_kind: str, d_v: int, d_rope: int, heads: int, sm_scale: float, 
     ws = hopper and ws_supported(geo)
     keys = []
     if "prefill" in paths:
-        keys.append(KernelKey("attn_prefill_ws" if ws else "attn_prefill", geo))
+        if ws and ws_persistent(geo, split=False):
+            if sm_count is None:
+                here = target is None and torch.cuda.is_available()
+                sm_count = _sm_count(torch.device("cuda", torch.cuda.current_device())) if here else DEFAULT_CTAS
+            keys.append(KernelKey("attn_prefill_ws", geo, (sm_count,)))
+        else:
+            keys.append(KernelKey("attn_prefill_ws" if ws else "attn_prefill", geo))
     if "decode" in paths:
         keys.append(KernelKey("attn_decode_ws" if ws else "attn_decode", geo))
         # after a warp-specialized split kernel the combine is its programmatic dependent (sm_90)
@@ -327,7 +336,7 @@ def plan_attn(kv_kind: str, d_v: int, d_rope: int, heads: int, sm_scale: float, 
     splits = plan_splits(tokens, heads, topk, sm_count, WS_SPLIT_BLOCKS if ws else 1)
     if splits > 1:
         return AttnPlan(tuple(keys), splits, keys[1].spec[2])
-    return AttnPlan(tuple(attn_keys(*geo, paths=("prefill",), target=target, q_fp8=q_fp8)), 1)
+    return AttnPlan(tuple(attn_keys(*geo, paths=("prefill",), target=target, q_fp8=q_fp8, sm_count=sm_count)), 1)
 
 
 def sparse_attn(q, kv, indices, sm_scale, d_v, topk_length=None):
