@@ -915,6 +915,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
     # head block) bx, bx + ctas, ... one after another, its producer running on into the next item's first blocks
     # while the consumers finish an item (see `work`).
     persist = ws_persistent(geo, split)
+    assert not persist or (staged and not paired), "a persistent kernel runs the staged producer"
     assert ctas >= 1, "a persistent kernel needs at least one CTA"
 
     quarters = ws_quarters(geo, split, block_i)  # which producer threads share a row
@@ -942,9 +943,9 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
     tail_piece = (8 if row_w % 16 == 0 and geo.layout.rope_offset % 16 == 0 else 4) if packed else 8
 
     def work(bx, by, i, topk_length, *item0):
-        """``(t, h0, first, stop, n_blk, pairs, walk)`` of work item ``i`` of the CTA ``(bx, by)``: its token, first head
-        and first top-k block, the end of its valid entries, its blocks, the pairs of them and the blocks it walks. A
-        kernel that is not persistent has one item, ``item0``. A persistent kernel walks at least one pair for an
+        """``(t, h0, first, stop, n_blk, pairs, walk)`` of work item ``i`` of the CTA ``(bx, by)``: its token, first
+        head and first top-k block, the end of its valid entries, its blocks, the pairs of them and the blocks it walks.
+        A kernel that is not persistent has one item, ``item0``. A persistent kernel walks at least one pair for an
         empty row too, so that every item fills both stages and the stages' phases alternate with the pairs."""
         if not persist:
             return item0
@@ -981,9 +982,9 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
 
     @T.macro
     def set_after(after, b, nb, t, stop, nx):
-        """Persistent kernels: ``after`` (registers) of :func:`produce_staged` for producer block ``b`` of a work item of
-        ``nb`` producer blocks (token ``t``, end ``stop``; the next item's token and end in ``nx``): the next producer
-        block and its end, and the token and producer block after that."""
+        """Persistent kernels: ``after`` (registers) of :func:`produce_staged` for producer block ``b`` of a work item
+        of ``nb`` producer blocks (token ``t``, end ``stop``; the next item's token and end in ``nx``): the next
+        producer block and its end, and the token and producer block after that."""
         after[0] = T.if_then_else(b + 1 < nb, b + 1, b + 1 - nb)
         after[1] = T.if_then_else(b + 1 < nb, stop, nx[1])
         after[2] = T.if_then_else(b + 2 < nb, t, nx[0])
@@ -1263,7 +1264,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
 
     @T.macro
     def produce_inplace(kv, indices, t, blk, stop, nxt, sc, dst_l, dst_r, dst_t, ok_s, ready, free, phase, base=256,
-                        mine=None, after=None):
+                        mine=None):
         """Gather top-k block ``blk`` (raw indices ``nxt``, loaded one block earlier) into a stage and
         widen it there. Each thread copies the raw bytes of each of its 16-value chunks by cp.async into
         the row's stage, the eight lanes of a row side by side (:func:`ws_inplace_raw_col`), waits for
@@ -1277,8 +1278,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
 
         ``base`` is the first thread of the warpgroup that runs it (the producer's, or consumer warpgroup
         1's) and ``mine`` the passes of the block it fills (default all); ``nxt`` and ``sc`` hold its
-        passes only. ``after = (t1, blk1)``: the block whose indices it loads next (default ``(t, blk + 1)``;
-        in a persistent kernel the next work item's first block after an item's last)."""
+        passes only."""
         T.barrier_wait(free, phase ^ 1)
         tx = T.get_thread_binding() - base
         lane = plane(tx)
@@ -1322,8 +1322,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                         sc[p, i] = T.if_then_else(ok, sc[p, i], 0.0)
                 T.ptx_commit_group()  # one group per pass: the widening of a pass starts when its copies land
             if step == n_own - 1:
-                t1, blk1 = (t, blk + 1) if after is None else after
-                load_index(indices, t1, blk1, nxt, base, mine)
+                load_index(indices, t, blk + 1, nxt, base, mine)
             if step >= ahead:
                 q = step - ahead
                 j = own[q] * rows_per_pass + prow(tx)
@@ -1597,8 +1596,8 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                     if persist:
                         base[0] = 0
                     for i in work_items(n_items):
-                        t_i, h0_i, first_i, stop_i, n_blk_i, pairs_i, walk_i = work(bx, by, i, topk_length, t, h0, first,
-                                                                                    stop, n_blk, pairs, walk)
+                        t_i, h0_i, first_i, stop_i, n_blk_i, pairs_i, walk_i = work(
+                            bx, by, i, topk_length, t, h0, first, stop, n_blk, pairs, walk)
                         if i > 0:
                             # both consumer warpgroups have stored the last item's rows through q's tiles
                             T.call_extern("handle", "dsa_bar_sync", *WS_CONSUMER_BARRIER)
@@ -1615,7 +1614,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                             else:
                                 T.barrier_wait(ready1, phase)
                             if copies_async:
-                                T.fence_proxy_async()  # cp.async wrote the stage; wgmma reads it through the async proxy
+                                T.fence_proxy_async()  # cp.async wrote the stage; wgmma reads it (async proxy)
                             for h, j in T.Parallel(hb, block_i):
                                 ok = T.if_then_else(it % 2 == 0, ok0[j], ok1[j])
                                 acc_s[h, j] = T.if_then_else(ok != 0, 0, -T.infinity(acc))
@@ -1730,47 +1729,30 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                     if wg1_widens:
                         nxt1 = T.alloc_local((1,), T.int32)
                         sc1 = T.alloc_local((1, n_tiles), acc)
-                        nx1 = T.alloc_local((2,), T.int32) if persist else None  # the next work item's token and end
-                        after1 = T.alloc_local((2,), T.int32) if persist else None
                     for i in work_items(n_items):
-                        t_i, h0_i, first_i, stop_i, n_blk_i, pairs_i, walk_i = work(bx, by, i, topk_length, t, h0, first,
-                                                                                    stop, n_blk, pairs, walk)
+                        t_i, h0_i, first_i, stop_i, n_blk_i, pairs_i, walk_i = work(
+                            bx, by, i, topk_length, t, h0, first, stop, n_blk, pairs, walk)
                         if i > 0:
                             T.call_extern("handle", "dsa_bar_sync", *WS_CONSUMER_BARRIER)  # (see warpgroup 0)
                         stage_q(q, q_l, q_r, qt_s, t_i, h0_i, tx, q_ready)
                         T.fill(acc_o_r, 0)
-                        if wg1_widens:
-                            if i == 0:
-                                # this warpgroup's rows of the first block (those of a later item's first block
-                                # are gathered during the item before, below)
-                                load_index(indices, t_i, first_i, nxt1, 128, wg1_passes)
-                                if walk_i > 0:
-                                    produce_inplace(kv, indices, t_i, first_i, stop_i, nxt1, sc1, kv_l0, kv_r0, kt_s0, ok0,
-                                                    ready0, free0, 0, 128, wg1_passes)
-                        if wg1_widens and persist:
-                            nx1[0] = next_token(bx, i, t_i)
-                            nx1[1] = next_stop(bx, i, nx1[0], topk_length)
+                        if wg1_widens:  # (a kernel of one work item: see persist)
+                            load_index(indices, t_i, first_i, nxt1, 128, wg1_passes)
+                            if walk_i > 0:
+                                produce_inplace(kv, indices, t_i, first_i, stop_i, nxt1, sc1, kv_l0, kv_r0, kt_s0, ok0,
+                                                ready0, free0, 0, 128, wg1_passes)
                         for it in T.serial(walk_i):
                             if wg1_widens:
-                                # this warpgroup's rows of the next block, before it waits for this one's
-                                # probabilities; after an item's last block, the next item's first (persistent)
+                                # this warpgroup's rows of the next block, before it waits for this one's probabilities
                                 if it + 1 < walk_i:
-                                    if persist:
-                                        after1[0] = T.if_then_else(it + 2 < walk_i, t_i, nx1[0])
-                                        after1[1] = T.if_then_else(it + 2 < walk_i, it + 2, 0)
-                                    after = (after1[0], after1[1]) if persist else None
                                     if (it + 1) % 2 == 0:
-                                        produce_inplace(kv, indices, t_i, first_i + it + 1, stop_i, nxt1, sc1, kv_l0, kv_r0,
-                                                        kt_s0, ok0, ready0, free0, ((global_block(base, it) + 1) // 2) & 1, 128, wg1_passes,
-                                                        after)
+                                        produce_inplace(kv, indices, t_i, first_i + it + 1, stop_i, nxt1, sc1, kv_l0,
+                                                        kv_r0, kt_s0, ok0, ready0, free0, ((it + 1) // 2) & 1, 128,
+                                                        wg1_passes)
                                     else:
-                                        produce_inplace(kv, indices, t_i, first_i + it + 1, stop_i, nxt1, sc1, kv_l1, kv_r1,
-                                                        kt_s1, ok1, ready1, free1, ((global_block(base, it) + 1) // 2) & 1, 128, wg1_passes,
-                                                        after)
-                                elif persist:
-                                    if i + 1 < n_items:
-                                        produce_inplace(kv, indices, nx1[0], 0, nx1[1], nxt1, sc1, kv_l0, kv_r0, kt_s0,
-                                                        ok0, ready0, free0, ((global_block(base, it) + 1) // 2) & 1, 128, wg1_passes)
+                                        produce_inplace(kv, indices, t_i, first_i + it + 1, stop_i, nxt1, sc1, kv_l1,
+                                                        kv_r1, kt_s1, ok1, ready1, free1, ((it + 1) // 2) & 1, 128,
+                                                        wg1_passes)
                             T.barrier_wait(p_ready, global_block(base, it) & 1)
                             if copies_async:
                                 T.fence_proxy_async()
@@ -1796,33 +1778,13 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                     n_own = passes if prod_passes is None else len(prod_passes)
                     nxt = T.alloc_local((n_own,), T.int32)
                     sc = T.alloc_local((n_own, n_tiles), acc) if packed else None  # the rows' scales
-                    base = T.alloc_local((1,), T.int32) if persist else None  # blocks of the earlier work items
-                    t_n = T.alloc_local((1,), T.int32) if persist else None  # the next work item's token
-                    after = T.alloc_local((2,), T.int32) if persist else None
-                    if persist:
-                        base[0] = 0
-                    t_0, h0_0, first_0, stop_0, n_blk_0, pairs_0, walk_0 = work(bx, by, 0, topk_length, t, h0, first,
-                                                                                stop, n_blk, pairs, walk)
-                    load_index(indices, t_0, first_0, nxt, 256, prod_passes)
-                    for i in work_items(n_items):
-                        t_i, h0_i, first_i, stop_i, n_blk_i, pairs_i, walk_i = work(bx, by, i, topk_length, t, h0, first,
-                                                                                    stop, n_blk, pairs, walk)
-                        if persist:
-                            t_n[0] = next_token(bx, i, t_i)
-                        for pair in T.serial(pairs_i):
-                            phase = pair_phase(base, pair)
-                            produce_inplace(kv, indices, t_i, first_i + 2 * pair, stop_i, nxt, sc, kv_l0, kv_r0, kt_s0, ok0,
-                                            ready0, free0, phase, 256, prod_passes)
-                            if persist:
-                                # the block whose indices the next call loads: after an item's last, the next item's first
-                                after[0] = T.if_then_else(2 * pair + 2 < walk_i, t_i, t_n[0])
-                                after[1] = T.if_then_else(2 * pair + 2 < walk_i, 2 * pair + 2, 0)
-                            if not split or 2 * pair + 1 < n_blk_i:  # (a split kernel walks no padding block)
-                                produce_inplace(kv, indices, t_i, first_i + 2 * pair + 1, stop_i, nxt, sc, kv_l1, kv_r1,
-                                                kt_s1, ok1, ready1, free1, phase, 256, prod_passes,
-                                                (after[0], after[1]) if persist else None)
-                        if persist:
-                            base[0] = base[0] + walk_i
+                    load_index(indices, t, first, nxt, 256, prod_passes)
+                    for pair in T.serial(pairs):
+                        produce_inplace(kv, indices, t, first + 2 * pair, stop, nxt, sc, kv_l0, kv_r0, kt_s0, ok0,
+                                        ready0, free0, pair & 1, 256, prod_passes)
+                        if not split or 2 * pair + 1 < n_blk:  # (a split kernel walks no padding block)
+                            produce_inplace(kv, indices, t, first + 2 * pair + 1, stop, nxt, sc, kv_l1, kv_r1, kt_s1,
+                                            ok1, ready1, free1, pair & 1, 256, prod_passes)
                 elif staged:
                     nxt = T.alloc_local((passes,), T.int32)
                     ok_a = T.alloc_local((passes,), T.int32)  # valid rows of the block in raw0
@@ -1850,8 +1812,8 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
                     nx = T.alloc_local((2,), T.int32) if persist else None
                     after = T.alloc_local((4,), T.int32) if persist else None
                     for i in work_items(n_items):
-                        t_i, h0_i, first_i, stop_i, n_blk_i, pairs_i, walk_i = work(bx, by, i, topk_length, t, h0, first,
-                                                                                    stop, n_blk, pairs, walk)
+                        t_i, h0_i, first_i, stop_i, n_blk_i, pairs_i, walk_i = work(
+                            bx, by, i, topk_length, t, h0, first, stop, n_blk, pairs, walk)
                         if persist:
                             nx[0] = next_token(bx, i, t_i)
                             nx[1] = next_stop(bx, i, nx[0], topk_length)

@@ -483,3 +483,15 @@ def test_empty_inputs_launch_nothing():
                                torch.zeros(0, 256, dtype=torch.bfloat16, device="cuda"),
                                torch.zeros(2, 64, dtype=torch.int32, device="cuda"), 0.1, 256)
     assert out.eq(0).all() and (lse == -math.inf).all()
+
+
+@pytest.mark.parametrize("heads", [8, 64])
+def test_persistent_prefill_many_items(heads):
+    # the persistent GLM packed prefill: each CTA walks several work items (token, head block), empty rows among them
+    # (topk_length 0 or less: each still walks one pair of all-invalid blocks), hostile indices, NaN in unread rows
+    t_count = 3 * torch.cuda.get_device_properties(0).multi_processor_count + 5
+    inputs = attn_inputs((256, 0, heads), "packed", t_count, 256, seed=11, empty_rows=(0, 7, t_count - 1))
+    lengths = torch.randint(-2, 300, (t_count,), generator=gen(12), dtype=torch.int32)
+    lengths[:3] = torch.tensor([0, 128, 256], dtype=torch.int32)
+    got, want = run_both(inputs, lengths)
+    check_attn(got, want)

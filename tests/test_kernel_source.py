@@ -606,3 +606,23 @@ def test_staged_producer_parts_per_stage(kind, parts):
             assert [eval(parity, {"pair": pair}) for _, parity in landed] == [(4 * pair + i) // 2 % 2 for i in range(4)]
     assert len(re.findall(r"free[01]\[0\]\.wait\(", producer)) == 2
     assert producer.count("fence_proxy_async") == 2
+
+
+def test_persistent_prefill_keys_and_source():
+    # the GLM packed prefill (bulk-copied staged rows) is persistent: its key carries the CTA count (the current
+    # GPU's SM count, or DEFAULT_CTAS without one) and each CTA walks items bx, bx + CTAs, ...; no other kernel is
+    from csrc_tl.sparse_attn import DEFAULT_CTAS, AttnGeometry, ws_persistent
+
+    key = attn_keys("glm-256+0-h64", "packed")[0]
+    assert key.family == "attn_prefill_ws" and key.flags == (DEFAULT_CTAS,)
+    shard = _cuda.attn_keys("packed", 256, 0, 8, 256**-0.5, True, target="cuda", sm_count=78)
+    assert shard[0].flags == (78,) and shard[1].flags == () and "; 78]" in shard[0].name
+    body = kernel_body(source(shard[0], "cuda"))
+    # the item stride is the CTA count; the consumers meet between items; indices load at computed offsets
+    assert re.search(r"\* 78\) \+ \(\(int\)blockIdx\.x\)", body)
+    assert body.count("dsa_bar_sync(13, 256)") == 2 and "dsa_ld_index(" in body
+    for name, kind in [("deepseek-512+64-h128", "packed"), ("glm-256+0-h64", "fp8"), ("glm-256+0-h64", "bf16"),
+                       ("512+0-h16", "packed")]:
+        other = attn_keys(name, kind)[0]
+        assert other.flags == () and "dsa_bar_sync(13" not in source(other, "cuda"), name
+    assert not ws_persistent(AttnGeometry(256, 0, 64, "packed", False, 0.1), split=True)
