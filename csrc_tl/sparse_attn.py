@@ -495,7 +495,9 @@ def build_combine(d_v: int, heads: int, part_heads: int, pdl: bool = False):
 # registers ptxas spilled 12-16 bytes in its kernels with topk_length (CPU test), at 88 none. Where
 # consumer warpgroup 1 widens a pass of each block too ("inplace_wg1", see build_attn_ws), it holds its
 # 64 x 256 accumulator while it widens: at 168 it spilled, at 184 none (sm_90a, 16 and 128 heads); the
-# producer spilled 20 bytes at 88 over 512+0 rows, at 96 none.
+# producer spilled 20 bytes at 88 over 512+0 rows, at 96 none. The split kernels over 512+0 rows keep the old scheme:
+# with topk_length their producer spilled 20 bytes at 96, and every other split of the 504 registers spilled in some
+# geometry (216 / 184 / 104 and 224 / 176 / 104: 4-8 bytes in the 512+64 split kernels).
 WS_NREG = {("paired", 1): (208, 224, 72), ("single", 1): (240, 168, 80), ("single", 2): (208, 144, 80),
            ("inplace", 1): (240, 168, 88), ("inplace_wg1", 1): (224, 184, 96)}
 
@@ -849,7 +851,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
     copies arrive on the stage barrier when they land); staged FP8 rows by cp.async (packed rows of the
     prefill: one TMA bulk copy per row, :func:`ws_bulk`) into a raw stage of :data:`WS_RAW_ROWS` rows one
     producer block ahead (a 128-row stage takes two), then widened shared-to-shared; other FP8 rows by
-    cp.async into their own bf16 stage and widened there (``produce_inplace``; in the prefill over packed
+    cp.async into their own bf16 stage and widened there (``produce_inplace``; over packed
     rows consumer warpgroup 1 fills the last pass of each block, see ``wg1_widens``).
     Rows of invalid entries are written as zeros (never dereferenced) and their scores are -inf, so
     they weigh 0. ``producers`` (1 or 2 warpgroups) defaults to 2 for staged rows, else 1.
@@ -899,12 +901,14 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
     block_p = min(block_i, WS_RAW_ROWS) if staged else block_i
     subs = block_i // block_p  # producer blocks per stage
     passes = block_p // rows_per_pass
-    # The in-place prefill over packed rows: consumer warpgroup 1, which otherwise waits most of the time
+    # The in-place kernels over packed rows: consumer warpgroup 1, which otherwise waits most of the time
     # for warpgroup 0's probabilities (ncu: 65% of its samples; the producer paces the kernel), gathers
     # and widens the last pass of each block, the next block's before it waits for the current one's
-    # probabilities. Measured (H200, BENCHMARKS.md, twenty-seventh session, one call, two rounds):
-    # DeepSeek packed decode T 256 350-354 against 363-364 us at 128 heads, 173.5 against 183 at 16.
-    wg1_widens = inplace and packed and not split and passes > 1
+    # probabilities. Measured (H200, BENCHMARKS.md, one call each): DeepSeek packed decode T 256 350-354
+    # against 363-364 us at 128 heads, 173.5 against 183 at 16 (twenty-seventh session); in the split
+    # kernel, DeepSeek packed decode T 1 at 16 heads 11.3 against 11.8-11.9 us in five rounds (twenty-eighth
+    # session, run FP).
+    wg1_widens = inplace and packed and passes > 1 and (not split or d_tail > 0)
     inplace_scheme = "inplace_wg1" if wg1_widens else "inplace"
     scheme = ("paired" if paired else inplace_scheme if inplace else "single", n_prod)
     assert nreg is not None or scheme in WS_NREG, f"no register budgets for {scheme}; pass nreg"

@@ -194,7 +194,8 @@ NVCC = shutil.which("nvcc")
      *attn_keys("glm-256+0-h64", "bf16"), *attn_keys("deepseek-512+64-h128", "packed", has_len=True)[:2],
      *attn_keys("deepseek-512+64-h128", "fp8")[:2], attn_keys("deepseek-512+64-h128", "bf16")[0],
      attn_keys("deepseek-512+64-h128", "bf16", has_len=True)[0], attn_keys("glm-256+0-h64", "fp8", has_len=True)[0],
-     attn_keys("glm-256+0-h64", "packed")[0], attn_keys("512+0-h16", "packed")[0]],
+     attn_keys("glm-256+0-h64", "packed")[0], attn_keys("512+0-h16", "packed")[0],
+     attn_keys("512+0-h16", "packed", has_len=True)[1]],
     ids=lambda k: k.name,
 )
 def test_cuda_sources_compile_for_sm90a(key, tmp_path):
@@ -437,8 +438,8 @@ def test_inplace_producer_schedule(kind, path):
     # the in-place producer (512+64 FP8 rows) issues the copies of a block's passes WS_INPLACE_AHEAD (2)
     # ahead of their widening: three passes' copies committed before it waits for the first, each wait
     # for its own pass only, both stages alike; a packed row's four scales in one 16-byte load per pass.
-    # In the prefill over packed rows, consumer warpgroup 1 fills the last of the four passes of each
-    # block (the first block before its loop, then the next one in each iteration) and the producer the
+    # Over packed rows (prefill and split kernels), consumer warpgroup 1 fills the last of the four passes of
+    # each block (the first block before its loop, then the next one in each iteration) and the producer the
     # other three.
     from csrc_tl.sparse_attn import WS_INPLACE_AHEAD
 
@@ -451,7 +452,7 @@ def test_inplace_producer_schedule(kind, path):
         events = re.findall(r"dsa_cp_async_wait\((\d+)\)|(cp_async_commit)|" + scale_load, role)
         return "".join(wait or ("C" if commit else "S") for wait, commit, _ in events)
 
-    wg1_widens = kind == "packed" and path == 0
+    wg1_widens = kind == "packed"
     block = {"packed": "SCSC" + ("SC210" if wg1_widens else "SC2SC210"), "fp8": "CCC2C210"}[kind]
     assert schedule(roles[2]) == 2 * block
     assert schedule(roles[1]) == ("SC0" * 3 if wg1_widens else "")
