@@ -28,7 +28,8 @@ for the prefill of bf16 rows the two consumer warpgroups instead score the two b
 by side (over 64-row blocks in FlashMLA's pipeline: stages in halves with barriers of their own, the
 next pair's scores issued under the last PV GEMM). Where FP8 rows are staged raw (:func:`ws_staged`),
 two producer warpgroups widen them; wider FP8 rows are copied raw into their own bf16 stage and
-widened there.
+widened there. The prefill over bulk-copied packed rows (GLM's) is persistent: one CTA per SM walks tokens one
+after another (:func:`ws_persistent`).
 
 FP8 inputs (native float8_e4m3fn q or kv, and the values of a packed row) are widened to bf16 on
 their way into shared memory and the GEMMs run in bf16: every e4m3 value is exactly a bf16 value,
@@ -840,7 +841,8 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
     bf16 rows the stages hold a pair of blocks and each consumer scores one of them (the running max
     passes between them once per pair; over 64-row blocks each stage is filled and freed in halves,
     see ``halves``); elsewhere warpgroup 0 scores every block. ``nreg`` overrides the setmaxnreg
-    budgets of :data:`WS_NREG`.
+    budgets of :data:`WS_NREG`. A persistent kernel (:func:`ws_persistent`) launches at most ``ctas`` CTAs (the
+    GPU's SM count: one CTA fills an SM), which walk the tokens in turn; its results do not depend on ``ctas``.
 
     Same arguments as ``build_attn(geo, split=...)``, with ``block_i`` from :func:`ws_block` unless
     given; needs ``ws_supported(geo)``. With ``split`` it is the decode kernel: the grid's second axis
@@ -915,9 +917,10 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
     nreg = WS_NREG[scheme] if nreg is None else nreg
     check_ws_nreg(nreg, n_prod)
 
-    # A persistent prefill over FP8 rows: a grid of at most `ctas` CTAs, each of which walks the work items (token,
+    # A persistent prefill (ws_persistent): a grid of at most `ctas` CTAs, each of which walks the work items (token,
     # head block) bx, bx + ctas, ... one after another, its producer running on into the next item's first blocks
-    # while the consumers finish an item (see `work`).
+    # while the consumers finish an item (see `work`). The consumers meet at a named barrier between items (q's
+    # tiles hold their stores' rows) and count the stages' phases over all the CTA's blocks.
     persist = ws_persistent(geo, split)
     assert not persist or (staged and not paired), "a persistent kernel runs the staged producer"
     assert ctas >= 1, "a persistent kernel needs at least one CTA"
