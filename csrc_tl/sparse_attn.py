@@ -117,6 +117,11 @@ def partial_heads(heads: int, ws: bool) -> int:
     return -(-heads // block) * block
 
 
+def valid_entries(geo: AttnGeometry, topk_length, t, k_count):
+    """The top-k entries of token ``t`` that count: ``topk_length[t]`` clamped into ``[0, K]``, or all ``K``."""
+    return T.max(T.min(topk_length[t], k_count), 0) if geo.has_topk_length else k_count
+
+
 @T.macro
 def rescale(acc_o, alpha, flag=None):
     """``acc_o [hb, width]`` times ``alpha [hb]`` by rows; with a thread-local ``flag`` only in the threads
@@ -294,10 +299,7 @@ def build_attn(geo: AttnGeometry, *, split: bool, block_i: int = 64, threads: in
 
             t = bx // groups
             h0 = (bx % groups) * hb
-            if geo.has_topk_length:
-                n_valid = T.max(T.min(topk_length[t], k_count), 0)
-            else:
-                n_valid = k_count
+            n_valid = valid_entries(geo, topk_length, t, k_count)
             n_blocks = T.ceildiv(n_valid, block_i)
             if split:
                 per_split = T.ceildiv(k_count // block_i, n_split)
@@ -958,7 +960,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
             return item0
         w = bx + i * ctas
         t = w // groups
-        n_valid = T.max(T.min(topk_length[t], k_count), 0) if geo.has_topk_length else k_count
+        n_valid = valid_entries(geo, topk_length, t, k_count)
         n_blk = T.ceildiv(n_valid, block_i)
         pairs = T.max(T.ceildiv(n_blk, 2), 1)
         return t, w % groups * hb, 0, n_valid, n_blk, pairs, 2 * pairs
@@ -972,8 +974,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
         none."""
         if not persist:
             return 0
-        n_valid = T.max(T.min(topk_length[t_n], k_count), 0) if geo.has_topk_length else k_count
-        return T.if_then_else(bx + (i + 1) * ctas < t_count * groups, n_valid, 0)
+        return T.if_then_else(bx + (i + 1) * ctas < t_count * groups, valid_entries(geo, topk_length, t_n, k_count), 0)
 
     def work_items(n_items):
         """The loop over a CTA's work items: one (item 0, a Python loop) unless persistent."""
@@ -1480,10 +1481,7 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
             else:
                 t = bx // groups
                 h0 = (bx % groups) * hb
-                if geo.has_topk_length:
-                    n_valid = T.max(T.min(topk_length[t], k_count), 0)
-                else:
-                    n_valid = k_count
+                n_valid = valid_entries(geo, topk_length, t, k_count)
                 # this block's top-k blocks [first, first + 2 * pairs); entries at or past `stop` are invalid
                 if split:
                     per_split = T.ceildiv(k_count // block_i, n_split)
