@@ -707,16 +707,18 @@ __device__ __forceinline__ void dsa_bulk_reuse() {
 
 # The split kernels' partial stores (store_rows with a warpgroup): bf16 values into a shared tile, a named
 # barrier of one warpgroup, 16-byte copies to global memory.
+# A named barrier of ``n`` threads (the split kernels' stores, the persistent kernels' consumers between items).
+WS_BAR_SYNC = """__device__ __forceinline__ void dsa_bar_sync(int id, int n) {
+  asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(n) : "memory");
+}
+"""
 WS_STORE = """
 __device__ __forceinline__ void dsa_put_bf16(void* p, float v) {
   unsigned short b;
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(v));
   *reinterpret_cast<unsigned short*>(p) = b;
 }
-__device__ __forceinline__ void dsa_bar_sync(int id, int n) {
-  asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(n) : "memory");
-}
-__device__ __forceinline__ void dsa_copy16(void* dst, const void* src) {
+""" + WS_BAR_SYNC + """__device__ __forceinline__ void dsa_copy16(void* dst, const void* src) {
   *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
 }
 """
@@ -724,12 +726,8 @@ __device__ __forceinline__ void dsa_copy16(void* dst, const void* src) {
 WS_CONSUMER_BARRIER = (13, 256)
 # Helpers of the persistent kernels: the consumers' barrier between work items, and an index load at a computed offset
 # (load_index).
-WS_PERSIST = """
-__device__ __forceinline__ void dsa_bar_sync(int id, int n) {
-  asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(n) : "memory");
-}
-__device__ __forceinline__ int dsa_ld_index(const int* indices, long long offset) { return indices[offset]; }
-"""
+WS_PERSIST = ("\n" + WS_BAR_SYNC + "__device__ __forceinline__ int dsa_ld_index(const int* indices, long long offset) "
+              "{ return indices[offset]; }\n")
 # CTAs of a persistent kernel (build_attn_ws) unless given: the SM count of an H200 or H100 SXM
 DEFAULT_CTAS = 132
 # (named barrier id, threads) of the two consumer warpgroups' partial stores: ids above the few TileLang
