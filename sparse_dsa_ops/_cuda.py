@@ -311,19 +311,55 @@ def plan_splits(tokens: int, heads: int, topk: int, sm_count: int, min_blocks: i
     return math.ceil(n_blocks / math.ceil(n_blocks / splits))
 
 
+# The last, partial wave of a warp-specialized prefill (T x head blocks not a multiple of the SM count) runs a few
+# CTAs on a few SMs for a whole item's time while the others idle: its tokens take the split path instead, where
+# that splits their top-k ranges and they have this many top-k blocks or more (a shorter item's time is no more
+# than the split path's own cost: a second kernel, the combine and the partials).
+TAIL_MIN_BLOCKS = 16
+
+
+def plan_tail(tokens: int, heads: int, topk: int, sm_count: int) -> tuple[int, int]:
+    """``(prefill tokens, splits)`` for a warp-specialized prefill of ``tokens``: the tokens whose (token, head block)
+    items fill whole waves of one CTA per SM go to the prefill kernel, and the rest, if any, to the split path in
+    ``splits`` parts. ``(tokens, 1)`` where nothing is split off: no partial wave, too few tokens for one wave, or a
+    tail that :func:`plan_splits` would not split or whose items are shorter than :data:`TAIL_MIN_BLOCKS` top-k
+    blocks. GLM packed prefill T 4096 at 64 heads on 132 SMs: 4092 tokens in 31 waves, the last 4 in 16 splits."""
+    from csrc_tl.sparse_attn import head_block
+
+    per_token = math.ceil(heads / head_block(heads))
+    step = sm_count // math.gcd(sm_count, per_token)  # the fewest tokens whose head blocks fill whole waves
+    main = tokens // step * step
+    if main in (0, tokens) or topk // TOPK_MULTIPLE < TAIL_MIN_BLOCKS:
+        return tokens, 1
+    splits = plan_splits(tokens - main, heads, topk, sm_count, WS_SPLIT_BLOCKS)
+    return (main, splits) if splits > 1 else (tokens, 1)
+
+
 @dataclass(frozen=True)
 class AttnPlan:
-    """What ``sparse_attn`` launches for one call: the prefill kernel alone (``splits == 1``), or a
-    split kernel over ``splits`` parts of the top-k range followed by the combine."""
+    """What ``sparse_attn`` launches for one call of ``tokens`` tokens: the prefill kernel over the first
+    ``prefill_tokens`` of them (none in a decode), then, where tokens remain, a split kernel over ``splits`` parts
+    of their top-k ranges followed by the combine."""
 
-    keys: tuple  # (prefill,) or (split kernel, combine)
-    splits: int
+    tokens: int
+    prefill: KernelKey | None  # None in a decode
+    prefill_tokens: int
+    split: tuple = ()  # (split kernel, combine) where tokens take the split path
+    splits: int = 1
     partial_heads: int = 0  # head rows of the split kernel's partial output (the combine's spec[2])
 
+    @property
+    def keys(self) -> tuple:
+        """Every kernel the call launches, in order."""
+        return ((self.prefill,) if self.prefill else ()) + self.split
+
     def __str__(self) -> str:
-        if self.splits == 1:
-            return self.keys[0].family
-        return f"{self.keys[0].family} x{self.splits} + combine"
+        split = f"{self.split[0].family} x{self.splits} + combine" if self.split else ""
+        if not self.prefill:
+            return split
+        if not self.split:
+            return self.prefill.family
+        return f"{self.prefill.family} + {split} (last {self.tokens - self.prefill_tokens} tokens)"
 
 
 @functools.lru_cache(maxsize=4096)
@@ -331,12 +367,16 @@ def plan_attn(kv_kind: str, d_v: int, d_rope: int, heads: int, sm_scale: float, 
               tokens: int, topk: int, sm_count: int, target: str | None = None) -> AttnPlan:
     """The kernels and split count for one call (``target`` as in :func:`attn_keys`)."""
     geo = (kv_kind, d_v, d_rope, heads, sm_scale, has_topk_length)
-    keys = attn_keys(*geo, paths=("decode",), target=target, q_fp8=q_fp8)  # split kernel, combine
-    ws = keys[0].family == "attn_decode_ws"
+    split = tuple(attn_keys(*geo, paths=("decode",), target=target, q_fp8=q_fp8))  # split kernel, combine
+    ws = split[0].family == "attn_decode_ws"
     splits = plan_splits(tokens, heads, topk, sm_count, WS_SPLIT_BLOCKS if ws else 1)
     if splits > 1:
-        return AttnPlan(tuple(keys), splits, keys[1].spec[2])
-    return AttnPlan(tuple(attn_keys(*geo, paths=("prefill",), target=target, q_fp8=q_fp8, sm_count=sm_count)), 1)
+        return AttnPlan(tokens, None, 0, split, splits, split[1].spec[2])
+    prefill, = attn_keys(*geo, paths=("prefill",), target=target, q_fp8=q_fp8, sm_count=sm_count)
+    main, splits = plan_tail(tokens, heads, topk, sm_count) if ws else (tokens, 1)
+    if splits > 1:
+        return AttnPlan(tokens, prefill, main, split, splits, split[1].spec[2])
+    return AttnPlan(tokens, prefill, tokens)
 
 
 def sparse_attn(q, kv, indices, sm_scale, d_v, topk_length=None):
@@ -359,17 +399,21 @@ def sparse_attn(q, kv, indices, sm_scale, d_v, topk_length=None):
         lse.fill_(float("-inf"))
         return out, lse
     _check_pool("sparse_attn", "kv", pool, pool.shape[1] * pool.element_size())
-    q, idx = _aligned(q), _aligned(idx)
-    lengths = [] if topk_length is None else [_aligned(topk_length)]
     plan = plan_attn(kind, d_v, d_rope, heads, sm_scale, topk_length is not None, q.dtype == torch.float8_e4m3fn,
                      t_count, topk, _sm_count(q.device))
-    if plan.splits == 1:
-        kernel(plan.keys[0])(q, pool, idx, *lengths, out, lse)
-        return out, lse
-    part_out = torch.empty(t_count, plan.splits, plan.partial_heads, d_v, dtype=torch.bfloat16, device=q.device)
-    part_lse = torch.empty(t_count, plan.splits, heads, dtype=torch.float32, device=q.device)
-    kernel(plan.keys[0])(q, pool, idx, *lengths, part_out, part_lse)
-    kernel(plan.keys[1])(part_out, part_lse, out, lse)
+    # the prefill's tokens, then the split path's (views of whole rows; a view off a 16-byte boundary is copied)
+    for first, end, keys in ((0, plan.prefill_tokens, (plan.prefill,)), (plan.prefill_tokens, t_count, plan.split)):
+        if first == end:
+            continue
+        part = [_aligned(x[first:end]) for x in (q, idx, *(() if topk_length is None else (topk_length,)))]
+        if len(keys) == 1:
+            kernel(keys[0])(part[0], pool, *part[1:], out[first:end], lse[first:end])
+            continue
+        part_out = torch.empty(end - first, plan.splits, plan.partial_heads, d_v, dtype=torch.bfloat16,
+                               device=q.device)
+        part_lse = torch.empty(end - first, plan.splits, heads, dtype=torch.float32, device=q.device)
+        kernel(keys[0])(part[0], pool, *part[1:], part_out, part_lse)
+        kernel(keys[1])(part_out, part_lse, out[first:end], lse[first:end])
     return out, lse
 
 

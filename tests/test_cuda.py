@@ -361,6 +361,25 @@ def test_topk_length_glm_prefill(kind):
     check_attn(got, want)
 
 
+@pytest.mark.parametrize("geo, kind", [(GLM, "packed"), (GLM, "fp8"), (DEEPSEEK, "packed"), (DEEPSEEK, "bf16")],
+                         ids=["glm-packed", "glm-fp8", "deepseek-packed", "deepseek-bf16"])
+def test_last_partial_wave_split_off(geo, kind):
+    # one wave of (token, head block) items and 5 tokens more: the prefill kernel takes the wave, the split kernel
+    # and the combine the last 5 tokens (rows of out and lse after the prefill's), with topk_length, an empty row
+    # and a row of length 0 among them
+    d_v, d_rope, heads = geo
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    t_count, topk = sms // math.gcd(sms, -(-heads // 64)) + 5, 1024
+    kv_kind, q_fp8 = kernel_kind(kind)
+    plan = dsa._cuda.plan_attn(kv_kind, d_v, d_rope, heads, (d_v + d_rope) ** -0.5, True, q_fp8, t_count, topk, sms)
+    assert str(plan).endswith("(last 5 tokens)"), plan
+    inputs = attn_inputs(geo, kind, t_count, topk, seed=13, empty_rows=(0, t_count - 2))
+    lengths = torch.randint(-3, topk + 100, (t_count,), generator=gen(14), dtype=torch.int32)
+    lengths[-5:-2] = torch.tensor([0, 64, 700], dtype=torch.int32)
+    got, want = run_both(inputs, lengths)
+    check_attn(got, want)
+
+
 @pytest.mark.parametrize("t_count", [1, 17, 300], ids=["decode", "decode-T17", "prefill"])
 def test_packed_pool_sliced_off_a_16_byte_boundary(t_count):
     # GLM's 264-byte rows are 8-byte aligned only; a pool sliced from a larger one starts 8 bytes past a

@@ -299,7 +299,16 @@ def test_decode_split_plan(tokens, heads, topk, min_blocks, splits):
     ("packed", "deepseek-512+64-h128", 256, 2048, "cuda", "attn_prefill_ws"),
     ("bf16", "glm-256+0-h64", 1, 2048, "hip", "attn_decode x32 + combine"),  # no warp specialization
     # 16 heads (a tensor-parallel shard): the warp-specialized kernels over a padded head block
-    ("bf16", "512+0-h16", 300, 2048, "cuda", "attn_prefill_ws"),
+    ("bf16", "512+0-h16", 264, 2048, "cuda", "attn_prefill_ws"),  # two whole waves
+    # a last, partial wave takes the split path: 36 tokens after two waves, in 3 splits (108 CTAs); 4 after 31 waves
+    # of 64-head tokens or after 62 of 128-head tokens (66 tokens fill 132 SMs), in 16 splits
+    ("bf16", "512+0-h16", 300, 2048, "cuda", "attn_prefill_ws + attn_decode_ws x3 + combine (last 36 tokens)"),
+    ("packed", "glm-256+0-h64", 4096, 2048, "cuda", "attn_prefill_ws + attn_decode_ws x16 + combine (last 4 tokens)"),
+    ("bf16", "deepseek-512+64-h128", 4096, 2048, "cuda",
+     "attn_prefill_ws + attn_decode_ws x16 + combine (last 4 tokens)"),
+    ("bf16", "deepseek-512+64-h128", 4096, 512, "cuda", "attn_prefill_ws"),  # items too short to split off
+    ("packed", "deepseek-512+64-h128", 256, 2048, "cuda", "attn_prefill_ws"),  # 116 CTAs of the last wave: no split
+    ("bf16", "glm-256+0-h64", 4096, 2048, "hip", "attn_prefill"),  # the portable kernels keep every token
     ("packed", "512+0-h16", 1, 2048, "cuda", "attn_decode_ws x16 + combine"),
     ("bf16", "512+0-h16", 1, 2048, "hip", "attn_decode x32 + combine"),
 ])
@@ -308,11 +317,16 @@ def test_attention_plan(kind, geo, tokens, topk, target, plan):
     got = _cuda.plan_attn(kind, d_v, d_rope, heads, (d_v + d_rope) ** -0.5, False, False, tokens, topk, 132, target)
     assert str(got) == plan
     assert got.keys[-1].family == ("combine" if got.splits > 1 else got.keys[0].family)
+    assert 0 <= got.prefill_tokens <= tokens and (got.prefill is None) == (got.prefill_tokens == 0)
+    assert (got.prefill_tokens < tokens) == bool(got.split)
+    if got.prefill and got.split:  # whole waves in the prefill, one wave of splits after it
+        items = -(-heads // 64)
+        assert got.prefill_tokens * items % 132 == 0 and (tokens - got.prefill_tokens) * items * got.splits <= 132
     if got.splits > 1:
         # the split kernel's partial output has whole head blocks of its kernel (64 heads when
         # warp-specialized, else 16 at 16 heads), and the combine is built for the same rows
-        block = 64 if got.keys[0].family == "attn_decode_ws" else head_block(heads)
-        assert got.partial_heads == got.keys[1].spec[2] == -(-heads // block) * block
+        block = 64 if got.split[0].family == "attn_decode_ws" else head_block(heads)
+        assert got.partial_heads == got.split[1].spec[2] == -(-heads // block) * block
 
 
 @pytest.fixture
@@ -344,6 +358,34 @@ def test_misaligned_inputs_reach_the_kernels_as_aligned_copies(launches, offset)
     aligned = [q, kv, idx]
     _cuda.sparse_attn(*aligned, 256**-0.5, 256)
     assert launches[0][1][0].data_ptr() == q.data_ptr()  # aligned inputs are passed as they are
+
+
+@pytest.mark.parametrize("heads, d_qk, d_v, kv_width", [(64, 256, 256, 264), (128, 576, 512, 576)])
+def test_last_partial_wave_takes_the_split_path(launches, heads, d_qk, d_v, kv_width):
+    # 137 tokens on 132 SMs: the prefill kernel takes the tokens of whole waves (132 of 64-head tokens, 132 of
+    # 128-head ones, whose 66 fill a wave), the split kernel and the combine the last 5, all on views of the call's
+    # tensors: the split path's rows of q, indices and topk_length and its rows of out and lse
+    t_count, topk = 137, 1024
+    q = torch.randn(t_count, heads, d_qk).bfloat16()
+    kv = torch.zeros(8, kv_width, dtype=torch.uint8 if kv_width == 264 else torch.bfloat16)
+    idx = torch.randint(-1, 8, (t_count, topk), dtype=torch.int32)
+    lengths = torch.randint(0, topk, (t_count,), dtype=torch.int32)
+    out, lse = _cuda.sparse_attn(q, kv, idx, d_qk**-0.5, d_v, lengths)
+    (prefill, first), (split, rest), (combine, merged) = launches
+    assert (prefill.family, split.family, combine.family) == ("attn_prefill_ws", "attn_decode_ws", "combine")
+    main = 132
+    for got, want in zip(first[:4], (q[:main], kv, idx[:main], lengths[:main])):
+        assert got.data_ptr() == want.data_ptr() and got.shape == want.shape
+    for got, want in zip(first[4:], (out[:main], lse[:main])):
+        assert got.data_ptr() == want.data_ptr() and got.shape == want.shape
+    assert rest[0].data_ptr() == q[main:].data_ptr() and torch.equal(rest[0], q[main:])
+    assert rest[2].data_ptr() == idx[main:].data_ptr() and torch.equal(rest[2], idx[main:])
+    assert torch.equal(rest[3], lengths[main:]) and rest[3].data_ptr() % 16 == 0  # copied where the view is not
+    part_out, part_lse = rest[4:]
+    assert part_out.shape == (5, 8, 128 if heads == 128 else 64, d_v) and part_lse.shape == (5, 8, heads)
+    assert merged[0] is part_out and merged[1] is part_lse
+    assert merged[2].data_ptr() == out[main:].data_ptr() and merged[2].shape == (5, heads, d_v)
+    assert merged[3].data_ptr() == lse[main:].data_ptr() and merged[3].shape == (5, heads)
 
 
 @pytest.mark.parametrize("row_bytes, offset, ok", [
