@@ -311,23 +311,28 @@ def plan_splits(tokens: int, heads: int, topk: int, sm_count: int, min_blocks: i
     return math.ceil(n_blocks / math.ceil(n_blocks / splits))
 
 
-# The last, partial wave of a warp-specialized prefill (T x head blocks not a multiple of the SM count) runs a few
-# CTAs on a few SMs for a whole item's time while the others idle: its tokens take the split path instead, where
-# that splits their top-k ranges and they have this many top-k blocks or more (a shorter item's time is no more
-# than the split path's own cost: a second kernel, the combine and the partials).
+# The last, partial round of a persistent prefill (items not a multiple of its CTAs, one per SM) keeps a few SMs busy
+# for a whole item while the others idle: its tokens take the split path instead, where that splits their top-k
+# ranges and they have this many top-k blocks or more (a shorter item takes no longer than the split path's own
+# cost: a second kernel, the combine and the partials). Measured (H200, BENCHMARKS.md, thirty-first session, run GL):
+# GLM packed prefill T 4096 at 64 heads 1435-1440 against 1464-1474 us, at 8 heads 1379-1382 against 1413-1414;
+# top-k 1024 762-763 against 768-774; top-k 512 425-427 against 426-427. The prefills of one CTA per item gained
+# nothing measurable (the hardware starts their last CTAs as SMs come free, not all at once): DeepSeek bf16
+# 4167-4209 against 4190-4244 us, DeepSeek native FP8 5103-5114 against 5095-5143.
 TAIL_MIN_BLOCKS = 16
 
 
-def plan_tail(tokens: int, heads: int, topk: int, sm_count: int) -> tuple[int, int]:
-    """``(prefill tokens, splits)`` for a warp-specialized prefill of ``tokens``: the tokens whose (token, head block)
-    items fill whole waves of one CTA per SM go to the prefill kernel, and the rest, if any, to the split path in
-    ``splits`` parts. ``(tokens, 1)`` where nothing is split off: no partial wave, too few tokens for one wave, or a
-    tail that :func:`plan_splits` would not split or whose items are shorter than :data:`TAIL_MIN_BLOCKS` top-k
-    blocks. GLM packed prefill T 4096 at 64 heads on 132 SMs: 4092 tokens in 31 waves, the last 4 in 16 splits."""
+def plan_tail(tokens: int, heads: int, topk: int, ctas: int, sm_count: int) -> tuple[int, int]:
+    """``(prefill tokens, splits)`` for a persistent prefill of ``tokens`` on ``ctas`` CTAs: the tokens whose
+    (token, head block) items fill whole rounds of the CTAs go to the prefill kernel, and the rest, if any, to the
+    split path in ``splits`` parts. ``(tokens, 1)`` where nothing is split off: no partial round, too few tokens for
+    one round, or a rest that :func:`plan_splits` would not split or whose items are shorter than
+    :data:`TAIL_MIN_BLOCKS` top-k blocks. GLM packed prefill T 4096 at 64 heads on 132 SMs: 4092 tokens in 31
+    rounds, the last 4 in 16 splits."""
     from csrc_tl.sparse_attn import head_block
 
     per_token = math.ceil(heads / head_block(heads))
-    step = sm_count // math.gcd(sm_count, per_token)  # the fewest tokens whose head blocks fill whole waves
+    step = ctas // math.gcd(ctas, per_token)  # the fewest tokens whose head blocks fill whole rounds
     main = tokens // step * step
     if main in (0, tokens) or topk // TOPK_MULTIPLE < TAIL_MIN_BLOCKS:
         return tokens, 1
@@ -338,8 +343,9 @@ def plan_tail(tokens: int, heads: int, topk: int, sm_count: int) -> tuple[int, i
 @dataclass(frozen=True)
 class AttnPlan:
     """What ``sparse_attn`` launches for one call of ``tokens`` tokens: the prefill kernel over the first
-    ``prefill_tokens`` of them (none in a decode), then, where tokens remain, a split kernel over ``splits`` parts
-    of their top-k ranges followed by the combine."""
+    ``prefill_tokens`` of them (none in a decode), then, where tokens remain (a decode, or a persistent prefill's
+    last partial round: :func:`plan_tail`), a split kernel over ``splits`` parts of their top-k ranges followed by
+    the combine."""
 
     tokens: int
     prefill: KernelKey | None  # None in a decode
@@ -373,7 +379,8 @@ def plan_attn(kv_kind: str, d_v: int, d_rope: int, heads: int, sm_scale: float, 
     if splits > 1:
         return AttnPlan(tokens, None, 0, split, splits, split[1].spec[2])
     prefill, = attn_keys(*geo, paths=("prefill",), target=target, q_fp8=q_fp8, sm_count=sm_count)
-    main, splits = plan_tail(tokens, heads, topk, sm_count) if ws else (tokens, 1)
+    persistent = prefill.family == "attn_prefill_ws" and prefill.flags  # (its CTAs)
+    main, splits = plan_tail(tokens, heads, topk, prefill.flags[0], sm_count) if persistent else (tokens, 1)
     if splits > 1:
         return AttnPlan(tokens, prefill, main, split, splits, split[1].spec[2])
     return AttnPlan(tokens, prefill, tokens)

@@ -50,10 +50,11 @@ def test_bench_cases_name_their_kernels(monkeypatch):
     cases = _cpu_cases(monkeypatch)
     assert cases["decode glm bf16 T1 S65536 H64 k2048"]["path"] == "attn_decode_ws x16 + combine"
     assert cases["decode glm packed T1 S65536 H64 k2048"]["path"] == "attn_decode_ws x16 + combine"
-    tail = "attn_prefill_ws + attn_decode_ws x16 + combine (last 4 tokens)"  # 4096 tokens on 132 SMs
-    assert cases["prefill deepseek bf16 T4096 S8192 H128 k2048"]["path"] == tail
+    assert cases["prefill deepseek bf16 T4096 S8192 H128 k2048"]["path"] == "attn_prefill_ws"
+    tail = "attn_prefill_ws + attn_decode_ws x16 + combine (last 4 tokens)"  # the persistent kernel's last round
+    assert cases["prefill glm packed T4096 S8192 H64 k2048"]["path"] == tail
     assert cases["decode glm packed T17 S65536 H8 k2112"]["path"] == "attn_decode_ws x7 + combine"
-    assert cases["prefill deepseek bf16 T4096 S8192 H16 k2048"]["path"] == tail
+    assert cases["prefill deepseek bf16 T4096 S8192 H16 k2048"]["path"] == "attn_prefill_ws"
     assert cases["decode deepseek packed T256 S65536 H128 k2048"]["path"] == "attn_prefill_ws"
     assert cases["dequant_k_cache glm 1M rows"]["path"] == "dequant"
     for case in cases.values():

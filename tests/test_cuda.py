@@ -361,21 +361,21 @@ def test_topk_length_glm_prefill(kind):
     check_attn(got, want)
 
 
-@pytest.mark.parametrize("geo, kind", [(GLM, "packed"), (GLM, "fp8"), (DEEPSEEK, "packed"), (DEEPSEEK, "bf16")],
-                         ids=["glm-packed", "glm-fp8", "deepseek-packed", "deepseek-bf16"])
-def test_last_partial_wave_split_off(geo, kind):
-    # one wave of (token, head block) items and 5 tokens more: the prefill kernel takes the wave, the split kernel
-    # and the combine the last 5 tokens (rows of out and lse after the prefill's), with topk_length, an empty row
-    # and a row of length 0 among them
-    d_v, d_rope, heads = geo
+@pytest.mark.parametrize("heads, with_lengths", [(64, True), (8, False)])
+def test_persistent_prefill_last_round_split_off(heads, with_lengths):
+    # a whole round of the persistent GLM packed prefill and 5 tokens more: the prefill kernel takes the round, the
+    # split kernel and the combine the last 5 tokens (rows of out and lse after the prefill's), with an empty row and
+    # (at 64 heads) topk_length, with a row of length 0, among them
+    geo, topk = (256, 0, heads), 1024
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    t_count, topk = sms // math.gcd(sms, -(-heads // 64)) + 5, 1024
-    kv_kind, q_fp8 = kernel_kind(kind)
-    plan = dsa._cuda.plan_attn(kv_kind, d_v, d_rope, heads, (d_v + d_rope) ** -0.5, True, q_fp8, t_count, topk, sms)
+    t_count = sms + 5
+    plan = dsa._cuda.plan_attn("packed", 256, 0, heads, 256**-0.5, with_lengths, False, t_count, topk, sms)
     assert str(plan).endswith("(last 5 tokens)"), plan
-    inputs = attn_inputs(geo, kind, t_count, topk, seed=13, empty_rows=(0, t_count - 2))
-    lengths = torch.randint(-3, topk + 100, (t_count,), generator=gen(14), dtype=torch.int32)
-    lengths[-5:-2] = torch.tensor([0, 64, 700], dtype=torch.int32)
+    inputs = attn_inputs(geo, "packed", t_count, topk, seed=13, empty_rows=(0, t_count - 2))
+    lengths = None
+    if with_lengths:
+        lengths = torch.randint(-3, topk + 100, (t_count,), generator=gen(14), dtype=torch.int32)
+        lengths[-5:-2] = torch.tensor([0, 64, 700], dtype=torch.int32)
     got, want = run_both(inputs, lengths)
     check_attn(got, want)
 

@@ -299,21 +299,23 @@ def test_decode_split_plan(tokens, heads, topk, min_blocks, splits):
     ("packed", "deepseek-512+64-h128", 256, 2048, "cuda", "attn_prefill_ws"),
     ("bf16", "glm-256+0-h64", 1, 2048, "hip", "attn_decode x32 + combine"),  # no warp specialization
     # 16 heads (a tensor-parallel shard): the warp-specialized kernels over a padded head block
-    ("bf16", "512+0-h16", 264, 2048, "cuda", "attn_prefill_ws"),  # two whole waves
-    # a last, partial wave takes the split path: 36 tokens after two waves, in 3 splits (108 CTAs); 4 after 31 waves
-    # of 64-head tokens or after 62 of 128-head tokens (66 tokens fill 132 SMs), in 16 splits
-    ("bf16", "512+0-h16", 300, 2048, "cuda", "attn_prefill_ws + attn_decode_ws x3 + combine (last 36 tokens)"),
+    ("bf16", "512+0-h16", 300, 2048, "cuda", "attn_prefill_ws"),
+    # the persistent GLM packed prefill: the tokens of its last, partial round take the split path (4 after 31
+    # rounds of 132 64-head tokens, in 16 splits; 36 after 2 rounds, in 3; 4 after 62 rounds of 66 128-head
+    # tokens), unless their top-k ranges are short or the split path would not split them
     ("packed", "glm-256+0-h64", 4096, 2048, "cuda", "attn_prefill_ws + attn_decode_ws x16 + combine (last 4 tokens)"),
-    ("bf16", "deepseek-512+64-h128", 4096, 2048, "cuda",
-     "attn_prefill_ws + attn_decode_ws x16 + combine (last 4 tokens)"),
-    ("bf16", "deepseek-512+64-h128", 4096, 512, "cuda", "attn_prefill_ws"),  # items too short to split off
-    ("packed", "deepseek-512+64-h128", 256, 2048, "cuda", "attn_prefill_ws"),  # 116 CTAs of the last wave: no split
-    ("bf16", "glm-256+0-h64", 4096, 2048, "hip", "attn_prefill"),  # the portable kernels keep every token
+    ("packed", "glm-256+0-h64", 300, 2048, "cuda", "attn_prefill_ws + attn_decode_ws x3 + combine (last 36 tokens)"),
+    ("packed", (256, 0, 128), 4096, 2048, "cuda", "attn_prefill_ws + attn_decode_ws x16 + combine (last 4 tokens)"),
+    ("packed", "glm-256+0-h64", 4092, 2048, "cuda", "attn_prefill_ws"),  # 31 whole rounds
+    ("packed", "glm-256+0-h64", 4096, 512, "cuda", "attn_prefill_ws"),  # items too short to split off
+    ("packed", "glm-256+0-h64", 4200, 2048, "cuda", "attn_prefill_ws"),  # 108 tokens left: no split
+    ("bf16", "deepseek-512+64-h128", 4096, 2048, "cuda", "attn_prefill_ws"),  # one CTA per item: every token
+    ("packed", "glm-256+0-h64", 4096, 2048, "hip", "attn_prefill"),
     ("packed", "512+0-h16", 1, 2048, "cuda", "attn_decode_ws x16 + combine"),
     ("bf16", "512+0-h16", 1, 2048, "hip", "attn_decode x32 + combine"),
 ])
 def test_attention_plan(kind, geo, tokens, topk, target, plan):
-    d_v, d_rope, heads = ATTN[geo]
+    d_v, d_rope, heads = ATTN[geo] if isinstance(geo, str) else geo
     got = _cuda.plan_attn(kind, d_v, d_rope, heads, (d_v + d_rope) ** -0.5, False, False, tokens, topk, 132, target)
     assert str(got) == plan
     assert got.keys[-1].family == ("combine" if got.splits > 1 else got.keys[0].family)
@@ -360,14 +362,14 @@ def test_misaligned_inputs_reach_the_kernels_as_aligned_copies(launches, offset)
     assert launches[0][1][0].data_ptr() == q.data_ptr()  # aligned inputs are passed as they are
 
 
-@pytest.mark.parametrize("heads, d_qk, d_v, kv_width", [(64, 256, 256, 264), (128, 576, 512, 576)])
-def test_last_partial_wave_takes_the_split_path(launches, heads, d_qk, d_v, kv_width):
-    # 137 tokens on 132 SMs: the prefill kernel takes the tokens of whole waves (132 of 64-head tokens, 132 of
-    # 128-head ones, whose 66 fill a wave), the split kernel and the combine the last 5, all on views of the call's
-    # tensors: the split path's rows of q, indices and topk_length and its rows of out and lse
-    t_count, topk = 137, 1024
+@pytest.mark.parametrize("heads", [64, 128])
+def test_last_partial_round_takes_the_split_path(launches, heads):
+    # 137 tokens of the persistent GLM packed prefill on 132 SMs: the prefill kernel takes the tokens of whole rounds
+    # (132 of 64-head tokens, 132 of 128-head ones, whose 66 fill a round), the split kernel and the combine the last
+    # 5, all on views of the call's tensors: the split path's rows of q, indices and topk_length, of out and lse
+    t_count, topk, d_qk, d_v = 137, 1024, 256, 256
     q = torch.randn(t_count, heads, d_qk).bfloat16()
-    kv = torch.zeros(8, kv_width, dtype=torch.uint8 if kv_width == 264 else torch.bfloat16)
+    kv = torch.zeros(8, 264, dtype=torch.uint8)
     idx = torch.randint(-1, 8, (t_count, topk), dtype=torch.int32)
     lengths = torch.randint(0, topk, (t_count,), dtype=torch.int32)
     out, lse = _cuda.sparse_attn(q, kv, idx, d_qk**-0.5, d_v, lengths)
