@@ -313,22 +313,26 @@ def plan_splits(tokens: int, heads: int, topk: int, sm_count: int, min_blocks: i
 
 # The last, partial round of a persistent prefill (items not a multiple of its CTAs, one per SM) keeps a few SMs busy
 # for a whole item while the others idle: its tokens take the split path instead, where that splits their top-k
-# ranges and they have this many top-k blocks or more (a shorter item takes no longer than the split path's own
-# cost: a second kernel, the combine and the partials). Measured (H200, BENCHMARKS.md, thirty-first session, run GL):
-# GLM packed prefill T 4096 at 64 heads 1435-1440 against 1464-1474 us, at 8 heads 1379-1382 against 1413-1414;
-# top-k 1024 762-763 against 768-774; top-k 512 425-427 against 426-427. The prefills of one CTA per item gained
-# nothing measurable (the hardware starts their last CTAs as SMs come free, not all at once): DeepSeek bf16
-# 4167-4209 against 4190-4244 us, DeepSeek native FP8 5103-5114 against 5095-5143.
+# ranges in TAIL_MIN_SPLITS parts or more and they have TAIL_MIN_BLOCKS top-k blocks or more (a shorter item, or
+# one split in two, takes about as long as the split path's own cost: a second kernel, the combine, the partials).
+# Measured (H200, BENCHMARKS.md, thirty-first session, runs GL, GP and GQ), GLM packed prefill: T 4096 at 64 heads
+# (last 4 tokens in 16 splits) 1435-1440 against 1464-1474 us, at 8 heads 1379-1382 against 1413-1414; T 8192 (last
+# 8) 2889-2946 against 2901-2975 in five rounds; top-k 1024 762-763 against 768-774; top-k 512 425-427 against
+# 426-427; T 4136 (last 44 in 3 splits) 1462-1489 against 1471-1476; T 4150 (last 58 in 2) 1476-1500 against
+# 1473-1489. The prefills of one CTA per item gained nothing measurable (the hardware starts their last CTAs as SMs
+# come free, not all at once): DeepSeek bf16 4167-4209 against 4190-4244 us, DeepSeek native FP8 5103-5114 against
+# 5095-5143.
 TAIL_MIN_BLOCKS = 16
+TAIL_MIN_SPLITS = 3
 
 
 def plan_tail(tokens: int, heads: int, topk: int, ctas: int, sm_count: int) -> tuple[int, int]:
     """``(prefill tokens, splits)`` for a persistent prefill of ``tokens`` on ``ctas`` CTAs: the tokens whose
     (token, head block) items fill whole rounds of the CTAs go to the prefill kernel, and the rest, if any, to the
     split path in ``splits`` parts. ``(tokens, 1)`` where nothing is split off: no partial round, too few tokens for
-    one round, or a rest that :func:`plan_splits` would not split or whose items are shorter than
-    :data:`TAIL_MIN_BLOCKS` top-k blocks. GLM packed prefill T 4096 at 64 heads on 132 SMs: 4092 tokens in 31
-    rounds, the last 4 in 16 splits."""
+    one round, or a rest that :func:`plan_splits` would split in fewer than :data:`TAIL_MIN_SPLITS` parts or whose
+    items are shorter than :data:`TAIL_MIN_BLOCKS` top-k blocks. GLM packed prefill T 4096 at 64 heads on 132 SMs:
+    4092 tokens in 31 rounds, the last 4 in 16 splits."""
     from csrc_tl.sparse_attn import head_block
 
     per_token = math.ceil(heads / head_block(heads))
@@ -337,7 +341,7 @@ def plan_tail(tokens: int, heads: int, topk: int, ctas: int, sm_count: int) -> t
     if main in (0, tokens) or topk // TOPK_MULTIPLE < TAIL_MIN_BLOCKS:
         return tokens, 1
     splits = plan_splits(tokens - main, heads, topk, sm_count, WS_SPLIT_BLOCKS)
-    return (main, splits) if splits > 1 else (tokens, 1)
+    return (main, splits) if splits >= TAIL_MIN_SPLITS else (tokens, 1)
 
 
 @dataclass(frozen=True)

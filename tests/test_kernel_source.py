@@ -302,13 +302,14 @@ def test_decode_split_plan(tokens, heads, topk, min_blocks, splits):
     ("bf16", "512+0-h16", 300, 2048, "cuda", "attn_prefill_ws"),
     # the persistent GLM packed prefill: the tokens of its last, partial round take the split path (4 after 31
     # rounds of 132 64-head tokens, in 16 splits; 36 after 2 rounds, in 3; 4 after 62 rounds of 66 128-head
-    # tokens), unless their top-k ranges are short or the split path would not split them
+    # tokens), unless their top-k ranges are short or the split path would split them in fewer than 3 parts
     ("packed", "glm-256+0-h64", 4096, 2048, "cuda", "attn_prefill_ws + attn_decode_ws x16 + combine (last 4 tokens)"),
     ("packed", "glm-256+0-h64", 300, 2048, "cuda", "attn_prefill_ws + attn_decode_ws x3 + combine (last 36 tokens)"),
     ("packed", (256, 0, 128), 4096, 2048, "cuda", "attn_prefill_ws + attn_decode_ws x16 + combine (last 4 tokens)"),
     ("packed", "glm-256+0-h64", 4092, 2048, "cuda", "attn_prefill_ws"),  # 31 whole rounds
     ("packed", "glm-256+0-h64", 4096, 512, "cuda", "attn_prefill_ws"),  # items too short to split off
     ("packed", "glm-256+0-h64", 4200, 2048, "cuda", "attn_prefill_ws"),  # 108 tokens left: no split
+    ("packed", "glm-256+0-h64", 190, 2048, "cuda", "attn_prefill_ws"),  # 58 tokens left: only 2 splits
     ("bf16", "deepseek-512+64-h128", 4096, 2048, "cuda", "attn_prefill_ws"),  # one CTA per item: every token
     ("packed", "glm-256+0-h64", 4096, 2048, "hip", "attn_prefill"),
     ("packed", "512+0-h16", 1, 2048, "cuda", "attn_decode_ws x16 + combine"),
