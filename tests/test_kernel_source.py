@@ -363,12 +363,13 @@ def test_misaligned_inputs_reach_the_kernels_as_aligned_copies(launches, offset)
     assert launches[0][1][0].data_ptr() == q.data_ptr()  # aligned inputs are passed as they are
 
 
-@pytest.mark.parametrize("heads", [64, 128])
-def test_last_partial_round_takes_the_split_path(launches, heads):
-    # 137 tokens of the persistent GLM packed prefill on 132 SMs: the prefill kernel takes the tokens of whole rounds
-    # (132 of 64-head tokens, 132 of 128-head ones, whose 66 fill a round), the split kernel and the combine the last
-    # 5, all on views of the call's tensors: the split path's rows of q, indices and topk_length, of out and lse
-    t_count, topk, d_qk, d_v = 137, 1024, 256, 256
+@pytest.mark.parametrize("heads, t_count, main", [(64, 137, 132), (128, 71, 66)])
+def test_last_partial_round_takes_the_split_path(launches, heads, t_count, main):
+    # the persistent GLM packed prefill on 132 SMs: the prefill kernel takes the tokens of whole rounds (132 tokens of
+    # 64 heads, 66 of 128 heads), the split kernel and the combine the last 5, all on views of the call's tensors: the
+    # split path's rows of q, indices and topk_length (copied where they start off a 16-byte boundary, as 66 int32
+    # lengths in do), of out and lse
+    topk, d_qk, d_v = 1024, 256, 256
     q = torch.randn(t_count, heads, d_qk).bfloat16()
     kv = torch.zeros(8, 264, dtype=torch.uint8)
     idx = torch.randint(-1, 8, (t_count, topk), dtype=torch.int32)
@@ -376,14 +377,14 @@ def test_last_partial_round_takes_the_split_path(launches, heads):
     out, lse = _cuda.sparse_attn(q, kv, idx, d_qk**-0.5, d_v, lengths)
     (prefill, first), (split, rest), (combine, merged) = launches
     assert (prefill.family, split.family, combine.family) == ("attn_prefill_ws", "attn_decode_ws", "combine")
-    main = 132
     for got, want in zip(first[:4], (q[:main], kv, idx[:main], lengths[:main])):
         assert got.data_ptr() == want.data_ptr() and got.shape == want.shape
     for got, want in zip(first[4:], (out[:main], lse[:main])):
         assert got.data_ptr() == want.data_ptr() and got.shape == want.shape
     assert rest[0].data_ptr() == q[main:].data_ptr() and torch.equal(rest[0], q[main:])
     assert rest[2].data_ptr() == idx[main:].data_ptr() and torch.equal(rest[2], idx[main:])
-    assert torch.equal(rest[3], lengths[main:]) and rest[3].data_ptr() % 16 == 0  # copied where the view is not
+    assert torch.equal(rest[3], lengths[main:]) and rest[3].data_ptr() % 16 == 0
+    assert (rest[3].data_ptr() == lengths[main:].data_ptr()) == (main * 4 % 16 == 0)
     part_out, part_lse = rest[4:]
     assert part_out.shape == (5, 8, 128 if heads == 128 else 64, d_v) and part_lse.shape == (5, 8, heads)
     assert merged[0] is part_out and merged[1] is part_lse
