@@ -383,7 +383,7 @@ def plan_attn(kv_kind: str, d_v: int, d_rope: int, heads: int, sm_scale: float, 
     if splits > 1:
         return AttnPlan(tokens, None, 0, split, splits, split[1].spec[2])
     prefill, = attn_keys(*geo, paths=("prefill",), target=target, q_fp8=q_fp8, sm_count=sm_count)
-    persistent = prefill.family == "attn_prefill_ws" and prefill.flags  # (its CTAs)
+    persistent = prefill.family == "attn_prefill_ws" and bool(prefill.flags)  # (flags: its CTAs)
     main, splits = plan_tail(tokens, heads, topk, prefill.flags[0], sm_count) if persistent else (tokens, 1)
     if splits > 1:
         return AttnPlan(tokens, prefill, main, split, splits, split[1].spec[2])
@@ -412,20 +412,24 @@ def sparse_attn(q, kv, indices, sm_scale, d_v, topk_length=None):
     _check_pool("sparse_attn", "kv", pool, pool.shape[1] * pool.element_size())
     plan = plan_attn(kind, d_v, d_rope, heads, sm_scale, topk_length is not None, q.dtype == torch.float8_e4m3fn,
                      t_count, topk, _sm_count(q.device))
-    # the prefill's tokens, then the split path's (views of whole rows; a view off a 16-byte boundary is copied)
-    for first, end, keys in ((0, plan.prefill_tokens, (plan.prefill,)), (plan.prefill_tokens, t_count, plan.split)):
-        if first == end:
-            continue
-        part = [_aligned(x[first:end]) for x in (q, idx, *(() if topk_length is None else (topk_length,)))]
-        if len(keys) == 1:
-            kernel(keys[0])(part[0], pool, *part[1:], out[first:end], lse[first:end])
-            continue
-        part_out = torch.empty(end - first, plan.splits, plan.partial_heads, d_v, dtype=torch.bfloat16,
+    inputs = (q, idx) if topk_length is None else (q, idx, topk_length)
+    main = plan.prefill_tokens
+    if main:  # the prefill's tokens
+        rows = [_aligned(_rows(x, 0, main)) for x in inputs]
+        kernel(plan.prefill)(rows[0], pool, *rows[1:], _rows(out, 0, main), _rows(lse, 0, main))
+    if plan.split:  # the rest (a decode's tokens, or a persistent prefill's last round)
+        rows = [_aligned(_rows(x, main, t_count)) for x in inputs]
+        part_out = torch.empty(t_count - main, plan.splits, plan.partial_heads, d_v, dtype=torch.bfloat16,
                                device=q.device)
-        part_lse = torch.empty(end - first, plan.splits, heads, dtype=torch.float32, device=q.device)
-        kernel(keys[0])(part[0], pool, *part[1:], part_out, part_lse)
-        kernel(keys[1])(part_out, part_lse, out[first:end], lse[first:end])
+        part_lse = torch.empty(t_count - main, plan.splits, heads, dtype=torch.float32, device=q.device)
+        kernel(plan.split[0])(rows[0], pool, *rows[1:], part_out, part_lse)
+        kernel(plan.split[1])(part_out, part_lse, _rows(out, main, t_count), _rows(lse, main, t_count))
     return out, lse
+
+
+def _rows(x: torch.Tensor, first: int, end: int) -> torch.Tensor:
+    """Rows ``[first, end)`` of ``x``: ``x`` itself where they are all of it (no view made per launch)."""
+    return x if first == 0 and end == x.shape[0] else x[first:end]
 
 
 IMPLS = {
