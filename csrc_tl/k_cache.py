@@ -7,34 +7,57 @@ same bytes are read through typed views: float8_e4m3fn ``[S, B]`` for the values
 are dynamic: one compiled kernel serves every batch. Slot ids outside ``[0, S)`` are never
 dereferenced: stores skip them, gathers return zero rows.
 
-Work split: a *group* of 32 threads owns one 128-wide tile ("line") at a time, 4 values per thread,
-and reduces the tile's amax with a width-32 butterfly (portable to 64-wide AMD wavefronts). The
-group that owns a row's first tile also moves the row's RoPE tail. Each builder is a pure function
-of the layout (a frozen ``KCacheLayout``) and a few flags.
+Work split: a *group* of 32 threads. Quantizing, a group writes whole rows, 8 values a lane where rows stay
+8-byte aligned, and reduces each tile's amax with a butterfly among the tile's lanes. Dequantizing, it owns
+one 128-wide tile ("line") at a time, 4 values per thread, and the group that owns a row's first tile also
+moves the row's RoPE tail. Shuffles stay within 32 lanes (portable to 64-wide AMD wavefronts). Each builder
+is a pure function of the layout (a frozen ``KCacheLayout``) and a few flags.
 """
 
 import tilelang.language as T
 
 from sparse_dsa_ops.layout import FP8_MAX, QUANT_TILE, KCacheLayout
 
-__all__ = ["build_quant", "build_dequant", "build_gather_bytes", "THREADS", "LINES_PER_BLOCK", "ROWS_PER_BLOCK"]
+__all__ = ["build_quant", "build_dequant", "build_gather_bytes", "quant_vector", "THREADS", "LINES_PER_BLOCK",
+           "ROWS_PER_BLOCK", "ROWS_PER_GROUP"]
 
 THREADS = 128
-GROUP = 32  # threads per 128-wide tile
+GROUP = 32  # threads of a group
 PER_THREAD = QUANT_TILE // GROUP  # 4 values
 GROUPS = THREADS // GROUP
 STEPS = 4  # tiles each group handles in turn
-LINES_PER_BLOCK = GROUPS * STEPS  # 128-wide tiles per block (quant / dequant kernels)
+LINES_PER_BLOCK = GROUPS * STEPS  # 128-wide tiles per block (dequant kernels)
+ROWS_PER_GROUP = 2  # rows a group quantizes, their loads in flight together (2 and 4 measured alike at GLM rows,
+# 4 slower at DeepSeek rows: BENCHMARKS.md, thirty-second session)
 ROWS_PER_BLOCK = GROUPS * STEPS  # rows per block (byte gather)
 POW2_ROUND_UP = 0x7FFFFF  # added to a positive float32's bits, then masked: round up to 2^k
 EXPONENT_MASK = -0x800000  # 0xFF800000 as int32: sign and exponent bits
 
 
 @T.macro
-def _group_max(acc):
-    """``acc[0] = max over the 32 threads of a group`` (butterfly, width 32) for a local ``[1]`` buffer."""
-    for delta in (16, 8, 4, 2, 1):
+def _group_max(acc, lanes: int = GROUP):
+    """``acc[0] = max over the `lanes` threads of a tile`` (a butterfly within aligned runs of ``lanes`` threads,
+    ``lanes`` a power of two up to 32) for a local ``[1]`` buffer."""
+    for delta in _halvings(lanes):
         acc[0] = T.max(acc[0], T.shfl_xor(acc[0], delta, GROUP))
+
+
+def _amax(x, start: int, count: int):
+    """``max |x[start + i]|`` over ``i < count`` (a power of two) as a tree of pairwise maxima."""
+    if count == 1:
+        return T.abs(x[start])
+    return T.max(_amax(x, start, count // 2), _amax(x, start + count // 2, count // 2))
+
+
+def _halvings(lanes: int) -> tuple[int, ...]:
+    """``lanes / 2, lanes / 4, ..., 1``: the shuffle distances of a butterfly over ``lanes`` threads."""
+    return tuple(lanes >> k for k in range(1, lanes.bit_length()))
+
+
+def quant_vector(layout: KCacheLayout) -> int:
+    """Values of a row that one lane of :func:`build_quant` quantizes at once: 8 (an 8-byte store) where rows keep
+    8-byte alignment, else 4."""
+    return 8 if layout.row_bytes % 8 == 0 else 4
 
 
 def build_quant(layout: KCacheLayout, *, round_scale: bool, scatter: bool, slot_dtype: str = "int32"):
@@ -44,58 +67,90 @@ def build_quant(layout: KCacheLayout, *, round_scale: bool, scatter: bool, slot_
     out [N, B] uint8)``, row i into out row i.
     scatter=True (``store_k_cache``): ``(k_nope, [k_rope,] loc [N] slot_dtype, pool [S, B] uint8)``,
     row i into pool row ``loc[i]``; ids outside ``[0, S)`` are skipped.
-    The k_rope argument exists only when d_rope > 0. Grid: ``ceil(N * d_nope / 128 / LINES_PER_BLOCK)``.
+    The k_rope argument exists only when d_rope > 0; B must be a multiple of 4 (d_rope even).
+
+    A group of 32 lanes writes whole rows, :data:`ROWS_PER_GROUP` of them, whose k rows (and slot ids) it loads
+    before it quantizes any: :func:`quant_vector` values a lane (so 16 or 32 lanes a tile), one tile's amax by a
+    butterfly among its lanes. Grid: ``ceil(N / (4 * ROWS_PER_GROUP))``. Measured (H200, BENCHMARKS.md,
+    thirty-second session): ``store_k_cache`` of 1M GLM rows 298.5 against 378.5 us with a group per tile of 4
+    values a lane; DeepSeek rows 595.1 against 747.1 us.
     """
     d_nope, d_rope, row_bytes = layout.d_nope, layout.d_rope, layout.row_bytes
+    assert row_bytes % 4 == 0, "scales and tails are stored in 4-byte words: d_rope must be even"
     n_tiles = layout.num_scales
+    vec = quant_vector(layout)
+    lanes = QUANT_TILE // vec  # lanes of a tile
+    per_pass = GROUP // lanes  # tiles a group quantizes at once
+    passes = -(-n_tiles // per_pass)
+    whole = n_tiles % per_pass == 0  # every pass has a tile for every lane
     scale_word = layout.scale_offset // 4  # float32 index of the first scale in a row
     rope_half = layout.rope_offset // 2  # bfloat16 index of the first tail element in a row
-    rope_steps = T.ceildiv(d_rope, GROUP) if d_rope else 0
+    rope_steps = -(-d_rope // (2 * GROUP))  # a lane moves 2 tail values (4 bytes) a step
+    rpg = ROWS_PER_GROUP
     n = T.dynamic("n")
     s = T.dynamic("s") if scatter else n
 
     @T.macro
     def quantize(k_nope, k_rope, loc, pool):
-        with T.Kernel(T.ceildiv(n * n_tiles, LINES_PER_BLOCK), threads=THREADS) as bx:
+        with T.Kernel(T.ceildiv(n, GROUPS * rpg), threads=THREADS) as bx:
             values = T.view(pool, (s, row_bytes), T.float8_e4m3fn)
             scales = T.view(pool, (s, row_bytes // 4), T.float32)
             tx = T.get_thread_binding()
             lane = tx % GROUP
-            x = T.alloc_local((PER_THREAD,), T.float32)
-            q = T.alloc_local((PER_THREAD,), T.float8_e4m3fn)
+            sub = lane % lanes  # this lane's place in its tile
+            x = T.alloc_local((rpg * passes * vec,), T.float32)
+            slots = T.alloc_local((rpg,), T.int64)
+            q = T.alloc_local((vec,), T.float8_e4m3fn)
             scale = T.alloc_local((1,), T.float32)
-            slot_var = T.alloc_local((1,), T.int64)
-            for step in T.serial(STEPS):
-                line = bx * LINES_PER_BLOCK + step * GROUPS + tx // GROUP
-                row = line // n_tiles
-                tile = line % n_tiles
-                if row < n:
-                    slot_var[0] = T.cast(loc[row], T.int64) if scatter else T.cast(row, T.int64)
-                    slot = slot_var[0]
-                    for v in T.vectorized(PER_THREAD):
-                        x[v] = T.cast(k_nope[row, tile * QUANT_TILE + lane * PER_THREAD + v], T.float32)
-                    scale[0] = T.max(T.max(T.abs(x[0]), T.abs(x[1])), T.max(T.abs(x[2]), T.abs(x[3])))
-                    _group_max(scale)
+            if d_rope:
+                tails = T.view(pool, (s, row_bytes // 2), T.bfloat16)
+                rope = T.alloc_local((rpg * rope_steps * 2,), T.bfloat16)
+            # every load of the group's rows first, so that they are in flight together
+            for r in T.unroll(rpg):
+                row = (bx * GROUPS + tx // GROUP) * rpg + r
+                src = T.min(row, n - 1)  # (rows past n load row n - 1 and store nothing)
+                if scatter:
+                    slots[r] = T.if_then_else(row < n, T.cast(loc[src], T.int64), T.int64(-1))
+                else:
+                    slots[r] = T.if_then_else(row < n, T.cast(row, T.int64), T.int64(-1))
+                for p in T.unroll(passes):
+                    tile = p * per_pass + lane // lanes
+                    if whole or tile < n_tiles:
+                        for v in T.vectorized(vec):
+                            x[(r * passes + p) * vec + v] = T.cast(k_nope[src, tile * QUANT_TILE + sub * vec + v],
+                                                                   T.float32)
+                if d_rope:
+                    for c in T.unroll(rope_steps):
+                        col = (c * GROUP + lane) * 2
+                        if col < d_rope:
+                            for v in T.vectorized(2):
+                                rope[(r * rope_steps + c) * 2 + v] = k_rope[src, col + v]
+            for r in T.unroll(rpg):
+                slot = slots[r]
+                for p in T.unroll(passes):
+                    tile = p * per_pass + lane // lanes
+                    b = (r * passes + p) * vec
+                    scale[0] = _amax(x, b, vec)
+                    _group_max(scale, lanes)
                     scale[0] = scale[0] / FP8_MAX
                     if scale[0] == 0.0:  # an all-zero (or underflowing) tile
                         scale[0] = 1.0
                     if round_scale:
                         scale[0] = T.reinterpret(
                             (T.reinterpret(scale[0], T.int32) + POW2_ROUND_UP) & EXPONENT_MASK, T.float32)
-                    if slot >= 0 and slot < s:
-                        for v in T.vectorized(PER_THREAD):
-                            q[v] = T.cast(T.clamp(x[v] / scale[0], -FP8_MAX, FP8_MAX), T.float8_e4m3fn)
-                        for v in T.vectorized(PER_THREAD):
-                            values[slot, tile * QUANT_TILE + lane * PER_THREAD + v] = q[v]
-                        if lane == 0:
+                    if slot >= 0 and slot < s and (whole or tile < n_tiles):
+                        for v in T.vectorized(vec):
+                            q[v] = T.cast(T.clamp(x[b + v] / scale[0], -FP8_MAX, FP8_MAX), T.float8_e4m3fn)
+                        for v in T.vectorized(vec):
+                            values[slot, tile * QUANT_TILE + sub * vec + v] = q[v]
+                        if sub == 0:
                             scales[slot, scale_word + tile] = scale[0]
-                        if d_rope:
-                            if tile == 0:
-                                tails = T.view(pool, (s, row_bytes // 2), T.bfloat16)
-                                for c in T.serial(rope_steps):
-                                    col = c * GROUP + lane
-                                    if col < d_rope:
-                                        tails[slot, rope_half + col] = k_rope[row, col]
+                if d_rope:
+                    for c in T.unroll(rope_steps):
+                        col = (c * GROUP + lane) * 2
+                        if slot >= 0 and slot < s and col < d_rope:
+                            for v in T.vectorized(2):
+                                tails[slot, rope_half + col + v] = rope[(r * rope_steps + c) * 2 + v]
 
     k_nope_t = T.Tensor((n, d_nope), T.bfloat16)
     pool_t = T.Tensor((s, row_bytes), T.uint8)

@@ -231,8 +231,18 @@ def _slot_dtype(ids: torch.Tensor) -> str:
     return "int64" if ids.dtype == torch.int64 else "int32"
 
 
+def _check_quant_layout(op: str, lay: KCacheLayout) -> None:
+    """Raise a ValueError for rows the quantizing kernels cannot write: their float32 scales and bf16 tail pairs
+    are stored as 4-byte words, so a row must be a multiple of 4 bytes (an even d_rope)."""
+    if lay.row_bytes % 4:
+        raise ValueError(f"dsa.{op} on a GPU: k_rope must have an even width, got d_rope = {lay.d_rope} (rows of "
+                         f"{lay.row_bytes} bytes; the kernels store rows of a multiple of 4 bytes). The CPU "
+                         "reference takes any width.")
+
+
 def quant_k_cache(k_nope, k_rope, round_scale=False):
     lay = KCacheLayout(k_nope.shape[1], 0 if k_rope is None else k_rope.shape[1])
+    _check_quant_layout("quant_k_cache", lay)
     out = torch.empty(k_nope.shape[0], lay.row_bytes, dtype=torch.uint8, device=k_nope.device)
     if out.shape[0]:
         fn = kernel(cache_keys("quant_k_cache", lay, round_scale)[0])
@@ -242,6 +252,7 @@ def quant_k_cache(k_nope, k_rope, round_scale=False):
 
 def store_k_cache(k_nope, k_rope, cache, loc, round_scale=False):
     lay = KCacheLayout(k_nope.shape[1], 0 if k_rope is None else k_rope.shape[1])
+    _check_quant_layout("store_k_cache", lay)
     pool = cache.view(-1, lay.row_bytes)
     if k_nope.shape[0] and pool.shape[0]:
         _check_pool("store_k_cache", "cache", pool, lay.row_bytes)

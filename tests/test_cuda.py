@@ -149,6 +149,27 @@ def test_store_sentinels(lay, round_scale):
     assert torch.equal(got.cpu(), want)
 
 
+@pytest.mark.parametrize("lay", [KCacheLayout(384, 2), KCacheLayout(256, 2), KCacheLayout(384, 0), KCacheLayout(128, 0),
+                                 KCacheLayout(1024, 130)], ids=str)
+def test_quant_and_store_other_widths(lay):
+    # rows the inferable layouts do not cover: 8-byte stores with an odd number of tiles (384+2: the last
+    # pass has one tile for two), 4-byte stores (rows of 268, 396 and 132 bytes), a tail of more than one step
+    g = gen(3)
+    n, slots = 77, 128  # 77: the last group's second row lies past the end
+    k, r = make_k(g, n, lay)
+    poison_allocator()
+    assert torch.equal(dsa.quant_k_cache(*cuda(k, r)).cpu(), reference.quant_k_cache(k, r))
+    pool = torch.randint(0, 256, (slots, lay.row_bytes), generator=g, dtype=torch.int32).to(torch.uint8)
+    loc = torch.randperm(slots, generator=g)[:n].int()
+    loc[::6] = -1
+    loc[5] = slots
+    want = pool.clone()
+    reference.store_k_cache(k, r, want, loc)
+    got = pool.cuda()
+    dsa.store_k_cache(*cuda(k, r), got, loc.cuda())
+    assert torch.equal(got.cpu(), want)
+
+
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("lay", LAYOUTS, ids=str)
 def test_gathers(lay, slot_dtype):

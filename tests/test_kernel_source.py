@@ -55,6 +55,39 @@ def test_cache_sources(op, width, target):
 
 
 @pytest.mark.parametrize("target", ["cuda", "hip"])
+@pytest.mark.parametrize("lay, vec", [(KCacheLayout(256, 0), 8), (KCacheLayout(512, 64), 8), (KCacheLayout(384, 2), 8),
+                                      (KCacheLayout(256, 2), 4), (KCacheLayout(384, 0), 4)], ids=str)
+@pytest.mark.parametrize("op", ["quant_k_cache", "store_k_cache"])
+def test_quant_kernels_write_whole_rows(op, lay, vec, target):
+    # a group of 32 lanes quantizes whole rows, `vec` values a lane: one store of `vec` FP8 bytes (8 where
+    # the rows keep 8-byte alignment), the tile's amax by a butterfly among its 128 / vec lanes (shuffle
+    # distances 8 to 1, or 16 to 1), after the k rows of ROWS_PER_GROUP rows have been loaded
+    from csrc_tl.k_cache import ROWS_PER_GROUP, quant_vector
+
+    assert quant_vector(lay) == vec
+    body = kernel_body(source(_cuda.cache_keys(op, lay)[0], target))
+    if target == "cuda":
+        assert f"*(fp8_e4_{vec}_t*)" in body and ("fp8_e4_8_t" in body) == (vec == 8)
+        shuffles = [int(d) for d in re.findall(r"__shfl_xor_sync\(\(uint\)4294967295, scale\[0\], (\d+), 32\)", body)]
+        assert shuffles == [128 // vec >> k for k in range(1, (128 // vec).bit_length())]
+        assert f"int64_t slots[{ROWS_PER_GROUP}];" in body
+        # every load of k precedes the first shuffle
+        assert body.rindex("k_nope + ") < body.index("__shfl_xor_sync")
+    assert ("k_rope" in body) == (lay.d_rope > 0)
+
+
+@pytest.mark.parametrize("op", ["quant_k_cache", "store_k_cache"])
+def test_quant_kernels_refuse_odd_tails(launches, op):
+    k_nope, k_rope = torch.randn(2, 256).bfloat16(), torch.randn(2, 3).bfloat16()
+    call = {"quant_k_cache": lambda: _cuda.quant_k_cache(k_nope, k_rope),
+            "store_k_cache": lambda: _cuda.store_k_cache(k_nope, k_rope, torch.zeros(4, 270, dtype=torch.uint8),
+                                                         torch.tensor([0, 1], dtype=torch.int32))}[op]
+    with pytest.raises(ValueError, match=f"dsa.{op} on a GPU: k_rope must have an even width, got d_rope = 3"):
+        call()
+    assert not launches
+
+
+@pytest.mark.parametrize("target", ["cuda", "hip"])
 @pytest.mark.parametrize("kind", ["bf16", "packed", "fp8"])
 @pytest.mark.parametrize("name", ATTN)
 def test_attention_sources(name, kind, target):
@@ -190,7 +223,8 @@ NVCC = shutil.which("nvcc")
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
 @pytest.mark.parametrize(
     "key",
-    [cache_key("store_k_cache", "656", "int64"), cache_key("gather_dequant_k_cache", "264"),
+    [cache_key("store_k_cache", "656", "int64"), cache_key("quant_k_cache", "264"),
+     cache_key("gather_dequant_k_cache", "264"),
      *attn_keys("glm-256+0-h64", "bf16"), *attn_keys("deepseek-512+64-h128", "packed", has_len=True)[:2],
      *attn_keys("deepseek-512+64-h128", "fp8")[:2], attn_keys("deepseek-512+64-h128", "bf16")[0],
      attn_keys("deepseek-512+64-h128", "bf16", has_len=True)[0], attn_keys("glm-256+0-h64", "fp8", has_len=True)[0],
