@@ -191,53 +191,78 @@ def build_dequant(layout: KCacheLayout, *, gather: bool, slot_dtype: str = "int3
     gather=False (``dequant_k_cache``): ``(packed [M, B] uint8, out [M, d_qk] bf16)``.
     gather=True (``gather_dequant_k_cache``): ``(pool [S, B] uint8, ids [M] slot_dtype, out)``;
     ids outside ``[0, S)`` give zero rows and are not dereferenced.
+
+    As :func:`build_quant`: a group of 32 lanes reads whole rows, :func:`quant_vector` values a lane, and loads the
+    values, scales and tails of :data:`ROWS_PER_GROUP` rows before it widens any. Grid: ``ceil(M / (4 *
+    ROWS_PER_GROUP))``.
     """
     d_nope, d_rope, d_qk, row_bytes = layout.d_nope, layout.d_rope, layout.d_qk, layout.row_bytes
+    assert row_bytes % 4 == 0, "scales and tails are read in 4-byte words: d_rope must be even"
     n_tiles = layout.num_scales
+    vec = quant_vector(layout)
+    lanes = QUANT_TILE // vec
+    per_pass = GROUP // lanes
+    passes = -(-n_tiles // per_pass)
+    whole = n_tiles % per_pass == 0
     scale_word = layout.scale_offset // 4
     rope_half = layout.rope_offset // 2
-    rope_steps = T.ceildiv(d_rope, GROUP) if d_rope else 0
+    rope_steps = -(-d_rope // (2 * GROUP))
+    rpg = ROWS_PER_GROUP
     m = T.dynamic("m")
     s = T.dynamic("s") if gather else m
 
     @T.macro
     def dequantize(pool, ids, out):
-        with T.Kernel(T.ceildiv(m * n_tiles, LINES_PER_BLOCK), threads=THREADS) as bx:
+        with T.Kernel(T.ceildiv(m, GROUPS * rpg), threads=THREADS) as bx:
             values = T.view(pool, (s, row_bytes), T.float8_e4m3fn)
             scales = T.view(pool, (s, row_bytes // 4), T.float32)
             tx = T.get_thread_binding()
             lane = tx % GROUP
-            q = T.alloc_local((PER_THREAD,), T.float8_e4m3fn)
-            y = T.alloc_local((PER_THREAD,), T.bfloat16)
-            slot_var = T.alloc_local((1,), T.int64)
-            for step in T.serial(STEPS):
-                line = bx * LINES_PER_BLOCK + step * GROUPS + tx // GROUP
-                row = line // n_tiles
-                tile = line % n_tiles
-                if row < m:
-                    slot_var[0] = T.cast(ids[row], T.int64) if gather else T.cast(row, T.int64)
-                    slot = slot_var[0]
-                    if slot >= 0 and slot < s:
-                        scale = scales[slot, scale_word + tile]
-                        for v in T.vectorized(PER_THREAD):
-                            q[v] = values[slot, tile * QUANT_TILE + lane * PER_THREAD + v]
-                        for v in T.vectorized(PER_THREAD):
-                            y[v] = T.cast(T.cast(q[v], T.float32) * scale, T.bfloat16)
-                    else:
-                        for v in T.vectorized(PER_THREAD):
-                            y[v] = T.cast(0.0, T.bfloat16)
-                    for v in T.vectorized(PER_THREAD):
-                        out[row, tile * QUANT_TILE + lane * PER_THREAD + v] = y[v]
+            sub = lane % lanes
+            q = T.alloc_local((rpg * passes * vec,), T.float8_e4m3fn)
+            sc = T.alloc_local((rpg * passes,), T.float32)
+            ok = T.alloc_local((rpg,), T.int32)
+            y = T.alloc_local((vec,), T.bfloat16)
+            if d_rope:
+                tails = T.view(pool, (s, row_bytes // 2), T.bfloat16)
+                rope = T.alloc_local((rpg * rope_steps * 2,), T.bfloat16)
+            # every load of the group's rows first, so that they are in flight together
+            for r in T.unroll(rpg):
+                row = (bx * GROUPS + tx // GROUP) * rpg + r
+                slot = T.cast(ids[T.min(row, m - 1)], T.int64) if gather else T.cast(row, T.int64)
+                ok[r] = T.if_then_else((row < m) & (slot >= 0) & (slot < s), 1, 0)
+                if ok[r] == 1:  # (the same for the whole group: no divergence)
+                    for p in T.unroll(passes):
+                        tile = p * per_pass + lane // lanes
+                        if whole or tile < n_tiles:
+                            for v in T.vectorized(vec):
+                                q[(r * passes + p) * vec + v] = values[slot, tile * QUANT_TILE + sub * vec + v]
+                            sc[r * passes + p] = scales[slot, scale_word + tile]
                     if d_rope:
-                        if tile == 0:
-                            tails = T.view(pool, (s, row_bytes // 2), T.bfloat16)
-                            for c in T.serial(rope_steps):
-                                col = c * GROUP + lane
-                                if col < d_rope:
-                                    if slot >= 0 and slot < s:
-                                        out[row, d_nope + col] = tails[slot, rope_half + col]
-                                    else:
-                                        out[row, d_nope + col] = T.cast(0.0, T.bfloat16)
+                        for c in T.unroll(rope_steps):
+                            col = (c * GROUP + lane) * 2
+                            if col < d_rope:
+                                for v in T.vectorized(2):
+                                    rope[(r * rope_steps + c) * 2 + v] = tails[slot, rope_half + col + v]
+            for r in T.unroll(rpg):
+                row = (bx * GROUPS + tx // GROUP) * rpg + r
+                if row < m:
+                    for p in T.unroll(passes):
+                        tile = p * per_pass + lane // lanes
+                        if whole or tile < n_tiles:
+                            b = (r * passes + p) * vec
+                            for v in T.vectorized(vec):
+                                y[v] = T.if_then_else(ok[r] == 1, T.cast(T.cast(q[b + v], T.float32) * sc[r * passes + p],
+                                                                         T.bfloat16), T.cast(0.0, T.bfloat16))
+                            for v in T.vectorized(vec):
+                                out[row, tile * QUANT_TILE + sub * vec + v] = y[v]
+                    if d_rope:
+                        for c in T.unroll(rope_steps):
+                            col = (c * GROUP + lane) * 2
+                            if col < d_rope:
+                                for v in T.vectorized(2):
+                                    out[row, d_nope + col + v] = T.if_then_else(
+                                        ok[r] == 1, rope[(r * rope_steps + c) * 2 + v], T.cast(0.0, T.bfloat16))
 
     pool_t = T.Tensor((s, row_bytes), T.uint8)
     out_t = T.Tensor((m, d_qk), T.bfloat16)

@@ -227,7 +227,7 @@ def test_store_graph_capture_replays_new_rows_and_slots():
 
 
 def test_compiling_inside_a_capture_says_to_warm_up():
-    k = torch.randn(4, 384, dtype=torch.bfloat16, device="cuda")  # a layout nothing compiled
+    k = torch.randn(4, 896, dtype=torch.bfloat16, device="cuda")  # a layout nothing else compiles
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="warmup"):
         with torch.cuda.graph(graph):
