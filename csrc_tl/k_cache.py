@@ -7,10 +7,10 @@ same bytes are read through typed views: float8_e4m3fn ``[S, B]`` for the values
 are dynamic: one compiled kernel serves every batch. Slot ids outside ``[0, S)`` are never
 dereferenced: stores skip them, gathers return zero rows.
 
-Work split: a *group* of 32 threads. Quantizing, a group writes whole rows, 8 values a lane where rows stay
-8-byte aligned, and reduces each tile's amax with a butterfly among the tile's lanes. Dequantizing, it owns
-one 128-wide tile ("line") at a time, 4 values per thread, and the group that owns a row's first tile also
-moves the row's RoPE tail. Shuffles stay within 32 lanes (portable to 64-wide AMD wavefronts). Each builder
+Work split: a *group* of 32 threads handles whole rows, ROWS_PER_GROUP at a time, and loads all of them before
+it computes on any. Quantizing and dequantizing, a lane takes 8 values of a row at once where rows stay 8-byte
+aligned (else 4), so 16 (or 32) lanes share a 128-wide tile; quantizing, they reduce the tile's amax with a
+butterfly among themselves. Shuffles stay within 32 lanes (portable to 64-wide AMD wavefronts). Each builder
 is a pure function of the layout (a frozen ``KCacheLayout``) and a few flags.
 """
 
@@ -18,15 +18,13 @@ import tilelang.language as T
 
 from sparse_dsa_ops.layout import FP8_MAX, QUANT_TILE, KCacheLayout
 
-__all__ = ["build_quant", "build_dequant", "build_gather_bytes", "quant_vector", "THREADS", "LINES_PER_BLOCK",
-           "ROWS_PER_BLOCK", "ROWS_PER_GROUP"]
+__all__ = ["build_quant", "build_dequant", "build_gather_bytes", "quant_vector", "THREADS", "ROWS_PER_BLOCK",
+           "ROWS_PER_GROUP"]
 
 THREADS = 128
 GROUP = 32  # threads of a group
-PER_THREAD = QUANT_TILE // GROUP  # 4 values
 GROUPS = THREADS // GROUP
-STEPS = 4  # tiles each group handles in turn
-LINES_PER_BLOCK = GROUPS * STEPS  # 128-wide tiles per block (dequant kernels)
+STEPS = 4  # rows each group of the byte gather copies in turn
 ROWS_PER_GROUP = 2  # rows a group quantizes, their loads in flight together (2 and 4 measured alike at GLM rows,
 # 4 slower at DeepSeek rows: BENCHMARKS.md, thirty-second session)
 ROWS_PER_BLOCK = GROUPS * STEPS  # rows per block (byte gather)
@@ -193,8 +191,9 @@ def build_dequant(layout: KCacheLayout, *, gather: bool, slot_dtype: str = "int3
     ids outside ``[0, S)`` give zero rows and are not dereferenced.
 
     As :func:`build_quant`: a group of 32 lanes reads whole rows, :func:`quant_vector` values a lane, and loads the
-    values, scales and tails of :data:`ROWS_PER_GROUP` rows before it widens any. Grid: ``ceil(M / (4 *
-    ROWS_PER_GROUP))``.
+    values, scales and tails of :data:`ROWS_PER_GROUP` rows before it widens any; an invalid id loads nothing.
+    Grid: ``ceil(M / (4 * ROWS_PER_GROUP))``. Measured (H200, BENCHMARKS.md, thirty-second session, run GY): 1M
+    GLM rows 199 against 230 us with a group per tile of 4 values a lane, gathered 224 against 281.
     """
     d_nope, d_rope, d_qk, row_bytes = layout.d_nope, layout.d_rope, layout.d_qk, layout.row_bytes
     assert row_bytes % 4 == 0, "scales and tails are read in 4-byte words: d_rope must be even"
@@ -252,8 +251,9 @@ def build_dequant(layout: KCacheLayout, *, gather: bool, slot_dtype: str = "int3
                         if whole or tile < n_tiles:
                             b = (r * passes + p) * vec
                             for v in T.vectorized(vec):
-                                y[v] = T.if_then_else(ok[r] == 1, T.cast(T.cast(q[b + v], T.float32) * sc[r * passes + p],
-                                                                         T.bfloat16), T.cast(0.0, T.bfloat16))
+                                y[v] = T.if_then_else(ok[r] == 1,
+                                                      T.cast(T.cast(q[b + v], T.float32) * sc[r * passes + p],
+                                                             T.bfloat16), T.cast(0.0, T.bfloat16))
                             for v in T.vectorized(vec):
                                 out[row, tile * QUANT_TILE + sub * vec + v] = y[v]
                     if d_rope:
