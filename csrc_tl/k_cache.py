@@ -25,8 +25,8 @@ THREADS = 128
 GROUP = 32  # threads of a group
 GROUPS = THREADS // GROUP
 STEPS = 4  # rows each group of the byte gather copies in turn
-ROWS_PER_GROUP = 2  # rows a group quantizes, their loads in flight together (2 and 4 measured alike at GLM rows,
-# 4 slower at DeepSeek rows: BENCHMARKS.md, thirty-second session)
+ROWS_PER_GROUP = 2  # rows a group (de)quantizes at once, their loads in flight together (stores: 2 and 4 measured
+# alike at GLM rows, 4 slower at DeepSeek rows; BENCHMARKS.md, thirty-second session)
 ROWS_PER_BLOCK = GROUPS * STEPS  # rows per block (byte gather)
 POW2_ROUND_UP = 0x7FFFFF  # added to a positive float32's bits, then masked: round up to 2^k
 EXPONENT_MASK = -0x800000  # 0xFF800000 as int32: sign and exponent bits
