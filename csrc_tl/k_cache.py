@@ -58,6 +58,23 @@ def quant_vector(layout: KCacheLayout) -> int:
     return 8 if layout.row_bytes % 8 == 0 else 4
 
 
+def _row_split(layout: KCacheLayout) -> tuple[int, int, int, int, bool, int]:
+    """How a group of :func:`build_quant` and :func:`build_dequant` covers a row: ``(vec, lanes, per_pass, passes,
+    whole, rope_steps)``, the values a lane takes at once, the lanes of a tile, the tiles of a pass, the passes,
+    whether every pass has a tile for every lane, and the steps of 2 tail values (4 bytes) a lane."""
+    assert layout.row_bytes % 4 == 0, "scales and tails move in 4-byte words: d_rope must be even"
+    vec = quant_vector(layout)
+    lanes = QUANT_TILE // vec
+    per_pass = GROUP // lanes
+    return (vec, lanes, per_pass, -(-layout.num_scales // per_pass), layout.num_scales % per_pass == 0,
+            -(-layout.d_rope // (2 * GROUP)))
+
+
+def _group_row(bx, tx, r):
+    """Row ``r`` of the group of thread ``tx`` in block ``bx`` (:data:`ROWS_PER_GROUP` rows a group)."""
+    return (bx * GROUPS + tx // GROUP) * ROWS_PER_GROUP + r
+
+
 def build_quant(layout: KCacheLayout, *, round_scale: bool, scatter: bool, slot_dtype: str = "int32"):
     """Quantize K rows into packed rows.
 
@@ -74,16 +91,10 @@ def build_quant(layout: KCacheLayout, *, round_scale: bool, scatter: bool, slot_
     values a lane; DeepSeek rows 595.1 against 747.1 us.
     """
     d_nope, d_rope, row_bytes = layout.d_nope, layout.d_rope, layout.row_bytes
-    assert row_bytes % 4 == 0, "scales and tails are stored in 4-byte words: d_rope must be even"
     n_tiles = layout.num_scales
-    vec = quant_vector(layout)
-    lanes = QUANT_TILE // vec  # lanes of a tile
-    per_pass = GROUP // lanes  # tiles a group quantizes at once
-    passes = -(-n_tiles // per_pass)
-    whole = n_tiles % per_pass == 0  # every pass has a tile for every lane
+    vec, lanes, per_pass, passes, whole, rope_steps = _row_split(layout)
     scale_word = layout.scale_offset // 4  # float32 index of the first scale in a row
     rope_half = layout.rope_offset // 2  # bfloat16 index of the first tail element in a row
-    rope_steps = -(-d_rope // (2 * GROUP))  # a lane moves 2 tail values (4 bytes) a step
     rpg = ROWS_PER_GROUP
     n = T.dynamic("n")
     s = T.dynamic("s") if scatter else n
@@ -105,7 +116,7 @@ def build_quant(layout: KCacheLayout, *, round_scale: bool, scatter: bool, slot_
                 rope = T.alloc_local((rpg * rope_steps * 2,), T.bfloat16)
             # every load of the group's rows first, so that they are in flight together
             for r in T.unroll(rpg):
-                row = (bx * GROUPS + tx // GROUP) * rpg + r
+                row = _group_row(bx, tx, r)
                 src = T.min(row, n - 1)  # (rows past n load row n - 1 and store nothing)
                 if scatter:
                     slots[r] = T.if_then_else(row < n, T.cast(loc[src], T.int64), T.int64(-1))
@@ -196,16 +207,10 @@ def build_dequant(layout: KCacheLayout, *, gather: bool, slot_dtype: str = "int3
     GLM rows 199 against 230 us with a group per tile of 4 values a lane, gathered 224 against 281.
     """
     d_nope, d_rope, d_qk, row_bytes = layout.d_nope, layout.d_rope, layout.d_qk, layout.row_bytes
-    assert row_bytes % 4 == 0, "scales and tails are read in 4-byte words: d_rope must be even"
     n_tiles = layout.num_scales
-    vec = quant_vector(layout)
-    lanes = QUANT_TILE // vec
-    per_pass = GROUP // lanes
-    passes = -(-n_tiles // per_pass)
-    whole = n_tiles % per_pass == 0
+    vec, lanes, per_pass, passes, whole, rope_steps = _row_split(layout)
     scale_word = layout.scale_offset // 4
     rope_half = layout.rope_offset // 2
-    rope_steps = -(-d_rope // (2 * GROUP))
     rpg = ROWS_PER_GROUP
     m = T.dynamic("m")
     s = T.dynamic("s") if gather else m
@@ -227,7 +232,7 @@ def build_dequant(layout: KCacheLayout, *, gather: bool, slot_dtype: str = "int3
                 rope = T.alloc_local((rpg * rope_steps * 2,), T.bfloat16)
             # every load of the group's rows first, so that they are in flight together
             for r in T.unroll(rpg):
-                row = (bx * GROUPS + tx // GROUP) * rpg + r
+                row = _group_row(bx, tx, r)
                 slot = T.cast(ids[T.min(row, m - 1)], T.int64) if gather else T.cast(row, T.int64)
                 ok[r] = T.if_then_else((row < m) & (slot >= 0) & (slot < s), 1, 0)
                 if ok[r] == 1:  # (the same for the whole group: no divergence)
@@ -244,7 +249,7 @@ def build_dequant(layout: KCacheLayout, *, gather: bool, slot_dtype: str = "int3
                                 for v in T.vectorized(2):
                                     rope[(r * rope_steps + c) * 2 + v] = tails[slot, rope_half + col + v]
             for r in T.unroll(rpg):
-                row = (bx * GROUPS + tx // GROUP) * rpg + r
+                row = _group_row(bx, tx, r)
                 if row < m:
                     for p in T.unroll(passes):
                         tile = p * per_pass + lane // lanes
