@@ -16,7 +16,7 @@ is a pure function of the layout (a frozen ``KCacheLayout``) and a few flags.
 
 import tilelang.language as T
 
-from sparse_dsa_ops.layout import FP8_MAX, QUANT_TILE, KCacheLayout
+from .layout import FP8_MAX, QUANT_TILE, KCacheLayout
 
 __all__ = ["build_quant", "build_dequant", "build_gather_bytes", "quant_vector", "THREADS", "ROWS_PER_BLOCK",
            "ROWS_PER_GROUP"]

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import tilelang.language as T
 
-from sparse_dsa_ops.layout import QUANT_TILE, KCacheLayout
+from .layout import QUANT_TILE, KCacheLayout
 
 __all__ = ["AttnGeometry", "DEFAULT_TILES", "DEFAULT_CTAS", "head_block", "partial_heads", "ws_supported", "ws_block",
            "ws_persistent", "ws_inplace_raw_col", "ws_quarters", "build_attn", "build_attn_ws", "build_combine"]
