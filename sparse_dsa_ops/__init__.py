@@ -1,34 +1,31 @@
-"""DeepSeek-style sparse attention (DSA) and its packed FP8 K cache as ``torch.ops.dsa`` ops.
+"""DeepSeek-style sparse attention (DSA) — the lightning indexer, top-k selection, sparse attention and their
+FP8 caches — as ``torch.ops.dsa`` ops.
 
-The ops run pure-Torch code on the CPU (``reference.py``, also the test oracle) and TileLang
-kernels on GPUs where they exist. See ``ops.py`` for the contract of each op.
+The ops run pure-Torch code on the CPU (``reference.py``, also the test oracle) and TileLang kernels on GPUs.
+See ``ops.py`` for the contract of each op and ``flash_mla`` for FlashMLA's sparse entry points over them.
 """
 
 from . import _cuda, reference
 from .layout import KCacheLayout
 from .ops import (
+    attn_max_logits,
     dequant_k_cache,
     gather_dequant_k_cache,
+    gather_index_k,
     gather_k_cache,
+    index_logits,
+    paged_index_logits,
+    quant_index,
     quant_k_cache,
     register_backend,
     sparse_attn,
+    store_index_k,
     store_k_cache,
+    topk,
 )
 
-register_backend(
-    "cpu",
-    {
-        "quant_k_cache": reference.quant_k_cache,
-        "store_k_cache": reference.store_k_cache,
-        "dequant_k_cache": reference.dequant_k_cache,
-        "gather_k_cache": reference.gather_k_cache,
-        "gather_dequant_k_cache": reference.gather_dequant_k_cache,
-        "sparse_attn": reference.sparse_attn,
-    },
-)
-
-register_backend("cuda", _cuda.IMPLS)  # also serves ROCm builds of torch (device type "cuda")
+register_backend("cpu", reference)
+register_backend("cuda", _cuda)  # also serves ROCm builds of torch (device type "cuda")
 
 
 def warmup(
@@ -43,6 +40,10 @@ def warmup(
     cache_ops: bool = True,
     round_scale: tuple[bool, ...] = (False, True),
     slot_dtypes: tuple[str, ...] = ("int32", "int64"),
+    index_heads: int | None = None,
+    index_dim: int = 128,
+    index_page: int = 64,
+    topk_k: int | None = None,
     progress: bool = True,
     workers: int = 8,
 ) -> None:
@@ -53,29 +54,23 @@ def warmup(
     the attention kernels, so pass the model's exact value.
 
     ``kv_kinds`` are the pools attention will read: "bf16", "fp8" (float8_e4m3fn values) and/or
-    "packed" (uint8 FP8 rows); ``fp8_q`` whether q is bf16 (False), float8_e4m3fn (True) or either
+    "packed" (FP8 rows); ``fp8_q`` whether q is bf16 (False), float8_e4m3fn (True) or either
     ``(False, True)`` (a float8 q only goes with "fp8" or "packed" kv). ``topk_length`` says whether
     calls pass lengths; ``cache_ops``, ``round_scale`` and ``slot_dtypes`` pick the cache kernels.
-    ``workers`` threads lower and build kernels at once (``workers=1``: one at a time).
+    ``index_heads`` (with ``index_dim`` and the index-K cache's ``index_page``) adds the indexer's kernels, and
+    ``topk_k`` the top-k kernels of that k. ``workers`` threads lower and build kernels at once.
     """
-    lay = KCacheLayout(d_nope, d_rope)
-    keys = []
-    for kind in kv_kinds:
-        for has_len in topk_length:
-            for q_fp8 in fp8_q:
-                if not (q_fp8 and kind == "bf16"):  # float8 q only goes with fp8 or packed kv
-                    keys += _cuda.attn_keys(kind, d_nope, d_rope, heads, sm_scale, has_len, q_fp8=q_fp8)
+    keys = _cuda.attention.warmup_keys(heads, d_nope, d_rope, sm_scale, kv_kinds, fp8_q, topk_length)
     if cache_ops:
-        for slot in slot_dtypes:
-            for rs in round_scale:
-                keys += _cuda.cache_keys("quant_k_cache", lay, rs) + _cuda.cache_keys("store_k_cache", lay, rs, slot)
-            keys += _cuda.cache_keys("gather_k_cache", lay, slot_dtype=slot)
-            keys += _cuda.cache_keys("gather_dequant_k_cache", lay, slot_dtype=slot)
-        keys += _cuda.cache_keys("dequant_k_cache", lay)
+        keys += _cuda.k_cache.warmup_keys(KCacheLayout(d_nope, d_rope), round_scale, slot_dtypes)
+    if index_heads:
+        keys += _cuda.indexer.warmup_keys(index_heads, index_dim, index_page, round_scale, slot_dtypes)
+    if topk_k:
+        keys += _cuda.selection.warmup_keys(topk_k, index_page)
     _cuda.warmup(keys, workers=workers, progress=progress)
 
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "KCacheLayout",
@@ -85,5 +80,12 @@ __all__ = [
     "gather_k_cache",
     "gather_dequant_k_cache",
     "sparse_attn",
+    "attn_max_logits",
+    "quant_index",
+    "store_index_k",
+    "gather_index_k",
+    "index_logits",
+    "paged_index_logits",
+    "topk",
     "warmup",
 ]

@@ -31,7 +31,9 @@ _ATTN_CHUNK_BYTES = 96 << 20
 def flatten_pool(pool: torch.Tensor) -> torch.Tensor:
     """View a flat ``[S, D]``, ``[S, 1, D]`` or paged ``[P, page, (1,) D]`` pool as ``[S, D]``.
 
-    Slot ``page * page_size + offset`` of a paged pool is row ``page * page_size + offset`` here.
+    Slot ``page * page_size + offset`` of a paged pool is row ``page * page_size + offset`` here. A pool whose
+    pages lie further apart than a page comes back as a copy (for reading); :func:`store_k_cache` writes such a
+    pool through its pages.
     """
     return pool.reshape(-1, pool.shape[-1])
 
@@ -73,12 +75,14 @@ def store_k_cache(
     round_scale: bool = False,
 ) -> None:
     """Quantize row i and write it into slot ``loc[i]`` of ``cache``; invalid slots are skipped."""
-    pool = flatten_pool(cache)  # [S, B], a view: writes land in cache
+    paged = cache.reshape(cache.shape[0], -1, cache.shape[-1]) if cache.dim() > 2 else cache.unsqueeze(0)
+    pages = paged.view(torch.uint8)  # [P, page, B], a view: writes land in cache (pages may lie apart)
     loc = loc.long()
-    valid = (loc >= 0) & (loc < pool.shape[0])  # [N]
+    valid = (loc >= 0) & (loc < pages.shape[0] * pages.shape[1])  # [N]
     if valid.any():
         rows = quant_k_cache(k_nope[valid], None if k_rope is None else k_rope[valid], round_scale)
-        pool[loc[valid]] = rows
+        slot = loc[valid]
+        pages[slot // pages.shape[1], slot % pages.shape[1]] = rows
 
 
 def dequant_k_cache(packed: torch.Tensor) -> torch.Tensor:
@@ -89,6 +93,7 @@ def dequant_k_cache(packed: torch.Tensor) -> torch.Tensor:
     lay = KCacheLayout.from_row_bytes(packed.shape[-1])
     lead = packed.shape[:-1]
     rows = packed.reshape(-1, lay.row_bytes)  # [R, B]
+    rows = rows.view(torch.uint8)  # int8 and float8_e4m3fn views of packed rows
     values = rows[:, : lay.scale_offset].contiguous().view(torch.float8_e4m3fn).float()  # [R, d_nope]
     scale = rows[:, lay.scale_offset : lay.rope_offset].contiguous().view(torch.float32)  # [R, n_tiles]
     nope = values.reshape(-1, lay.num_scales, QUANT_TILE) * scale.unsqueeze(-1)  # [R, n_tiles, 128]
@@ -110,7 +115,7 @@ def _gather_rows(pool: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
 
 def gather_k_cache(cache: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """Packed rows of the slots ``indices [M]`` -> ``[M, B]`` uint8; zero rows for invalid slots."""
-    return _gather_rows(flatten_pool(cache), indices)
+    return _gather_rows(flatten_pool(cache).view(torch.uint8), indices)  # int8 or float8 views of packed rows
 
 
 def gather_dequant_k_cache(cache: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -122,7 +127,7 @@ def _kv_rows(kv: torch.Tensor, ids: torch.Tensor, d_v: int, d_qk: int) -> torch.
     """Selected rows of the pool as float32 ``[t, K, d_qk]`` for slot ids ``[t, K]`` already clamped in range."""
     pool = flatten_pool(kv)  # [S, D] or [S, B]
     rows = pool[ids.reshape(-1)]  # [t * K, D]
-    if kv.dtype == torch.uint8:
+    if kv.dtype != torch.bfloat16 and pool.shape[1] != d_qk:  # packed rows (of any 1-byte dtype) are wider
         rows = dequant_k_cache(rows)  # same values as the packed-cache contract: bf16 rows
     return rows.float().reshape(*ids.shape, d_qk)
 
@@ -134,13 +139,16 @@ def sparse_attn(
     sm_scale: float,
     d_v: int,
     topk_length: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse attention of ``q [T, H, d_qk]`` over the rows ``indices [T, K]`` of ``kv``.
 
     Returns ``out [T, H, d_v]`` bf16 and the natural-log ``lse [T, H]`` float32. Entries outside
     ``[0, S)`` or at positions ``>= topk_length[t]`` count for nothing and their rows are not used;
-    a token with no valid entry gets ``out = 0`` and ``lse = -inf``. A packed uint8 pool is read as
-    ``dequant_k_cache(kv)``; a float8_e4m3fn pool is used as its raw values.
+    a token with no valid entry gets ``out = 0`` and ``lse = -inf``. A pool of packed rows (uint8, int8 or
+    float8_e4m3fn, wider than d_qk) is read as ``dequant_k_cache(kv)``; a float8_e4m3fn pool of width d_qk is used
+    as its raw values. ``attn_sink [H]`` joins each row's denominator: ``out`` is the softmax-weighted sum times
+    ``1 / (1 + exp(attn_sink[h] - lse))``, and ``lse`` leaves the sink out.
     """
     t_count, heads, d_qk = q.shape
     indices = indices.reshape(t_count, indices.shape[-1])  # [T, K]
@@ -169,6 +177,11 @@ def sparse_attn(
         probs = torch.exp(scores - row_max)  # [t, H, K]
         total = probs.sum(dim=-1, keepdim=True)  # [t, H, 1]
         acc = torch.einsum("thk,tkd->thd", probs, rows[..., :d_v])  # [t, H, d_v]
-        out[start:stop] = (acc / torch.where(total == 0, 1.0, total)).to(torch.bfloat16)
+        if attn_sink is not None:  # exp(sink) joins the denominator: sum + exp(sink) = total + exp(sink - row_max)
+            total_out = total + torch.exp(attn_sink.float()[None, :, None] - row_max)  # [t, H, 1]
+            total_out = torch.where(total == 0, 1.0, total_out)  # empty rows keep out = 0
+        else:
+            total_out = torch.where(total == 0, 1.0, total)
+        out[start:stop] = (acc / total_out).to(torch.bfloat16)
         lse[start:stop] = (row_max + torch.log(total)).squeeze(-1)  # log 0 = -inf for empty rows
     return out, lse

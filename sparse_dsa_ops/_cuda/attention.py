@@ -1,0 +1,301 @@
+"""GPU implementation of sparse attention: the launch plan (which kernels, how many splits) and the launches."""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from csrc_tl import sparse_attn as builders
+from csrc_tl.sparse_attn import DEFAULT_CTAS, AttnGeometry, head_block, partial_heads, ws_persistent, ws_supported
+
+from .. import reference
+from ..ops import TOPK_MULTIPLE, AttnArgs, takes_checked
+from .common import aligned, check_pool, pool_rows, pool_slots
+from .compile import KernelKey, is_hopper, kernel, register_builder, sm_count
+
+__all__ = ["attn_keys", "warmup_keys", "plan_splits", "plan_tail", "AttnPlan", "plan_attn", "sparse_attn",
+           "attn_max_logits", "bench_cases"]
+
+
+def _ws_configs(key: KernelKey) -> dict:
+    return dict(builders.WS_PASS_CONFIGS)
+
+
+register_builder("attn_prefill_ws", lambda key: builders.build_attn_ws(key.spec, split=False,
+                                                                       **({"ctas": key.flags[0]} if key.flags else {})),
+                 _ws_configs)
+register_builder("attn_decode_ws", lambda key: builders.build_attn_ws(key.spec, split=True), _ws_configs)
+register_builder("attn_prefill", lambda key: builders.build_attn(key.spec, split=False,
+                                                                 **builders.DEFAULT_TILES["prefill"]))
+register_builder("attn_decode", lambda key: builders.build_attn(key.spec, split=True,
+                                                                **builders.DEFAULT_TILES["decode"]))
+register_builder("combine", lambda key: builders.build_combine(*key.spec, pdl="pdl" in key.flags))
+
+
+def attn_keys(kv_kind: str, d_v: int, d_rope: int, heads: int, sm_scale: float, has_topk_length: bool,
+              paths: Iterable[str] = ("prefill", "decode"), target: str | None = None,
+              q_fp8: bool = False, sm_count: int | None = None) -> list[KernelKey]:
+    """The kernels ``sparse_attn`` runs for one geometry on ``target`` (default: this machine's), in
+    this order: the prefill kernel; the split decode kernels; the decode's combine (last).
+
+    Where the geometry allows on sm_90 CUDA (any head count), prefill and split decode are
+    warp-specialized, else both are the portable kernels. ``kv_kind`` is "bf16", "fp8" or "packed";
+    ``q_fp8`` picks the kernels for a float8_e4m3fn q. A persistent prefill kernel
+    (:func:`csrc_tl.sparse_attn.ws_persistent`) is compiled for ``sm_count`` CTAs: by default the current GPU's SM
+    count, or :data:`csrc_tl.sparse_attn.DEFAULT_CTAS` (an H200's) for another target or without a GPU."""
+    geo = AttnGeometry(d_v, d_rope, heads, kv_kind, has_topk_length, float(sm_scale), q_fp8)
+    geo.check()
+    hopper = target == "cuda" if target else is_hopper()
+    ws = hopper and ws_supported(geo)
+    keys = []
+    if "prefill" in paths:
+        if ws and ws_persistent(geo, split=False):
+            if sm_count is None:
+                here = target is None and torch.cuda.is_available()
+                sm_count = _sm_count_here() if here else DEFAULT_CTAS
+            keys.append(KernelKey("attn_prefill_ws", geo, (sm_count,)))
+        else:
+            keys.append(KernelKey("attn_prefill_ws" if ws else "attn_prefill", geo))
+    if "decode" in paths:
+        keys.append(KernelKey("attn_decode_ws" if ws else "attn_decode", geo))
+        # after a warp-specialized split kernel the combine is its programmatic dependent (sm_90)
+        keys.append(KernelKey("combine", (d_v, heads, partial_heads(heads, ws)), ("pdl",) if ws else ()))
+    return keys
+
+
+
+# Split decode on sm_90 (H200 measurements, BENCHMARKS.md): the warp-specialized split kernel wants
+# two top-k blocks per split or more (one block leaves it nothing to overlap).
+WS_SPLIT_BLOCKS = 2
+
+
+def plan_splits(tokens: int, heads: int, topk: int, sm_count: int, min_blocks: int = 1) -> int:
+    """Splits of the top-k range per (token, head block): 1 (the prefill path) once the grid fills the
+    GPU, else as many as keep the whole grid in one wave of one block per SM (a second wave of a few
+    blocks doubles the time) while every split keeps at least ``min_blocks`` top-k blocks; then the
+    fewest splits with as few blocks per split. GLM decode T 17 (33 blocks) takes 7 splits of 5 blocks
+    (the last one 3): the split kernels walk no padding block (H200: 18.1 against 18.8 us over packed
+    rows for 6 splits of 3 pairs; BENCHMARKS.md, eleventh session). (Head blocks are counted the same
+    for the portable kernels and for the warp-specialized ones, whose blocks are always 64 heads: both
+    give one block per token up to 32 heads and 64-head blocks above.)"""
+    blocks = tokens * math.ceil(heads / head_block(heads))
+    if blocks >= sm_count:
+        return 1
+    n_blocks = topk // TOPK_MULTIPLE
+    if n_blocks <= 1:
+        return 1
+    splits = max(1, min(n_blocks // min_blocks, sm_count // blocks))
+    # the fewest splits with as few blocks per split
+    return math.ceil(n_blocks / math.ceil(n_blocks / splits))
+
+
+# The last, partial round of a persistent prefill (items not a multiple of its CTAs, one per SM) keeps a few SMs busy
+# for a whole item while the others idle: its tokens take the split path instead, where that splits their top-k
+# ranges in TAIL_MIN_SPLITS parts or more and they have TAIL_MIN_BLOCKS top-k blocks or more (a shorter item, or
+# one split in two, takes about as long as the split path's own cost: a second kernel, the combine, the partials).
+# Measured (H200, BENCHMARKS.md, thirty-first session, runs GL, GP and GQ), GLM packed prefill: T 4096 at 64 heads
+# (last 4 tokens in 16 splits) 1435-1440 against 1464-1474 us, at 8 heads 1379-1382 against 1413-1414; T 8192 (last
+# 8) 2889-2946 against 2901-2975 in five rounds; top-k 1024 762-763 against 768-774; top-k 512 425-427 against
+# 426-427; T 4136 (last 44 in 3 splits) 1462-1489 against 1471-1476; T 4150 (last 58 in 2) 1476-1500 against
+# 1473-1489. The prefills of one CTA per item gained nothing measurable (the hardware starts their last CTAs as SMs
+# come free, not all at once): DeepSeek bf16 4167-4209 against 4190-4244 us, DeepSeek native FP8 5103-5114 against
+# 5095-5143.
+TAIL_MIN_BLOCKS = 16
+TAIL_MIN_SPLITS = 3
+
+
+def plan_tail(tokens: int, heads: int, topk: int, ctas: int, sm_count: int) -> tuple[int, int]:
+    """``(prefill tokens, splits)`` for a persistent prefill of ``tokens`` on ``ctas`` CTAs: the tokens whose
+    (token, head block) items fill whole rounds of the CTAs go to the prefill kernel, and the rest, if any, to the
+    split path in ``splits`` parts. ``(tokens, 1)`` where nothing is split off: no partial round, too few tokens for
+    one round, or a rest that :func:`plan_splits` would split in fewer than :data:`TAIL_MIN_SPLITS` parts or whose
+    items are shorter than :data:`TAIL_MIN_BLOCKS` top-k blocks. GLM packed prefill T 4096 at 64 heads on 132 SMs:
+    4092 tokens in 31 rounds, the last 4 in 16 splits."""
+    per_token = math.ceil(heads / head_block(heads))
+    step = ctas // math.gcd(ctas, per_token)  # the fewest tokens whose head blocks fill whole rounds
+    main = tokens // step * step
+    if main in (0, tokens) or topk // TOPK_MULTIPLE < TAIL_MIN_BLOCKS:
+        return tokens, 1
+    splits = plan_splits(tokens - main, heads, topk, sm_count, WS_SPLIT_BLOCKS)
+    return (main, splits) if splits >= TAIL_MIN_SPLITS else (tokens, 1)
+
+
+@dataclass(frozen=True)
+class AttnPlan:
+    """What ``sparse_attn`` launches for one call of ``tokens`` tokens: the prefill kernel over the first
+    ``prefill_tokens`` of them (none in a decode), then, where tokens remain (a decode, or a persistent prefill's
+    last partial round: :func:`plan_tail`), a split kernel over ``splits`` parts of their top-k ranges followed by
+    the combine."""
+
+    tokens: int
+    prefill: KernelKey | None  # None in a decode
+    prefill_tokens: int
+    split: tuple = ()  # (split kernel, combine) where tokens take the split path
+    splits: int = 1
+    partial_heads: int = 0  # head rows of the split kernel's partial output (the combine's spec[2])
+
+    @property
+    def keys(self) -> tuple:
+        """Every kernel the call launches, in order."""
+        return ((self.prefill,) if self.prefill else ()) + self.split
+
+    def __str__(self) -> str:
+        split = f"{self.split[0].family} x{self.splits} + combine" if self.split else ""
+        if not self.prefill:
+            return split
+        if not self.split:
+            return self.prefill.family
+        return f"{self.prefill.family} + {split} (last {self.tokens - self.prefill_tokens} tokens)"
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_attn(kv_kind: str, d_v: int, d_rope: int, heads: int, sm_scale: float, has_topk_length: bool, q_fp8: bool,
+              tokens: int, topk: int, sm_count: int, target: str | None = None) -> AttnPlan:
+    """The kernels and split count for one call (``target`` as in :func:`attn_keys`)."""
+    geo = (kv_kind, d_v, d_rope, heads, sm_scale, has_topk_length)
+    split = tuple(attn_keys(*geo, paths=("decode",), target=target, q_fp8=q_fp8))  # split kernel, combine
+    ws = split[0].family == "attn_decode_ws"
+    splits = plan_splits(tokens, heads, topk, sm_count, WS_SPLIT_BLOCKS if ws else 1)
+    if splits > 1:
+        return AttnPlan(tokens, None, 0, split, splits, split[1].spec[2])
+    prefill, = attn_keys(*geo, paths=("prefill",), target=target, q_fp8=q_fp8, sm_count=sm_count)
+    persistent = prefill.family == "attn_prefill_ws" and bool(prefill.flags)  # (flags: its CTAs)
+    main, splits = plan_tail(tokens, heads, topk, prefill.flags[0], sm_count) if persistent else (tokens, 1)
+    if splits > 1:
+        return AttnPlan(tokens, prefill, main, split, splits, split[1].spec[2])
+    return AttnPlan(tokens, prefill, tokens)
+
+
+def warmup_keys(heads: int, d_nope: int, d_rope: int, sm_scale: float, kv_kinds=("bf16", "packed"),
+                fp8_q=(False,), topk_length=(False, True)) -> list[KernelKey]:
+    """Every attention kernel of one model geometry (a float8 q only goes with fp8 or packed kv)."""
+    keys = []
+    for kind in kv_kinds:
+        for has_len in topk_length:
+            for q_fp8 in fp8_q:
+                if not (q_fp8 and kind == "bf16"):
+                    keys += attn_keys(kind, d_nope, d_rope, heads, sm_scale, has_len, q_fp8=q_fp8)
+    return keys
+
+
+def _sm_count_here() -> int:
+    return sm_count(torch.device("cuda", torch.cuda.current_device()))
+
+
+def _empty_result(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    out.zero_()
+    lse.fill_(float("-inf"))
+    return out, lse
+
+
+@takes_checked
+def sparse_attn(args: AttnArgs, q, kv, indices, sm_scale, d_v, topk_length=None, attn_sink=None):
+    t_count, heads, d_qk = q.shape
+    if heads > 128 or d_v % 64 or args.d_rope % 16:
+        raise NotImplementedError(
+            f"dsa.sparse_attn on {q.device.type}: no kernel for heads={heads}, d_v={d_v}, d_rope={args.d_rope} "
+            "(needs heads <= 128, d_v a multiple of 64, d_rope a multiple of 16)")
+    out = torch.empty(t_count, heads, d_v, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(t_count, heads, dtype=torch.float32, device=q.device)
+    if t_count == 0:
+        return out, lse
+    if args.topk == 0 or args.pool.slots == 0:
+        return _empty_result(out, lse)
+    pool = pool_rows(kv, args.pool)
+    check_pool("sparse_attn", "kv", pool, pool.shape[1] * pool.element_size())
+    idx = pool_slots(indices.reshape(t_count, args.topk), args.pool)
+    plan = plan_attn(args.kv_kind, d_v, args.d_rope, heads, sm_scale, topk_length is not None, args.q_fp8,
+                     t_count, args.topk, sm_count(q.device))
+    inputs = (q, idx) if topk_length is None else (q, idx, topk_length)
+    main = plan.prefill_tokens
+    if main:  # the prefill's tokens
+        rows = [aligned(_rows(x, 0, main)) for x in inputs]
+        kernel(plan.prefill)(rows[0], pool, *rows[1:], _rows(out, 0, main), _rows(lse, 0, main))
+    if plan.split:  # the rest (a decode's tokens, or a persistent prefill's last round)
+        rows = [aligned(_rows(x, main, t_count)) for x in inputs]
+        part_out = torch.empty(t_count - main, plan.splits, plan.partial_heads, d_v, dtype=torch.bfloat16,
+                               device=q.device)
+        part_lse = torch.empty(t_count - main, plan.splits, heads, dtype=torch.float32, device=q.device)
+        kernel(plan.split[0])(rows[0], pool, *rows[1:], part_out, part_lse)
+        kernel(plan.split[1])(part_out, part_lse, _rows(out, main, t_count), _rows(lse, main, t_count))
+    if attn_sink is not None:
+        # The sink joins the denominator only: out * sum / (sum + exp(sink)) = out * sigmoid(lse - sink), in place;
+        # an empty row (lse -inf) keeps out = 0.
+        out.mul_(torch.sigmoid(lse - attn_sink).unsqueeze(-1))
+    return out, lse
+
+
+def _rows(x: torch.Tensor, first: int, end: int) -> torch.Tensor:
+    """Rows ``[first, end)`` of ``x``: ``x`` itself where they are all of it (no view made per launch)."""
+    return x if first == 0 and end == x.shape[0] else x[first:end]
+
+
+def attn_max_logits(q, kv, indices, sm_scale, d_v, topk_length=None):
+    # No kernel of its own yet: the reference's gather and matmuls, run on the GPU.
+    return reference.attn_max_logits(q, kv, indices, sm_scale, d_v, topk_length)
+
+
+# ----------------------------------------------------------------------------------------------
+# Bench cases.
+
+
+def _attn_case(name, kind, d_nope, d_rope, heads, tokens, slots, topk, target=None):
+    def make():
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        d_qk = d_nope + d_rope
+        q = torch.randn(tokens, heads, d_qk, device="cuda", dtype=torch.bfloat16, generator=gen)
+        kv = torch.randn(slots, d_qk, device="cuda", dtype=torch.bfloat16, generator=gen)
+        if kind == "packed":
+            kv = torch.ops.dsa.quant_k_cache(kv[:, :d_nope].contiguous(),
+                                             kv[:, d_nope:].contiguous() if d_rope else None)
+        elif kind == "fp8":
+            q, kv = q.to(torch.float8_e4m3fn), kv.to(torch.float8_e4m3fn)
+        idx = torch.randint(0, slots, (tokens, topk), device="cuda", dtype=torch.int32, generator=gen)
+        return (q, kv, idx, d_qk**-0.5, d_nope)
+
+    flops = 2 * tokens * heads * topk * (2 * d_nope + d_rope)
+    plan = plan_attn(kind, d_nope, d_rope, heads, (d_nope + d_rope) ** -0.5, False, kind == "fp8", tokens, topk,
+                     torch.cuda.get_device_properties(0).multi_processor_count)
+    return dict(name=name, op="sparse_attn", make=make, flops=flops, bytes=None, keys=list(plan.keys), path=str(plan),
+                target=target)
+
+
+
+def bench_cases() -> list[dict]:
+    """The attention cases of ``python -m sparse_dsa_ops bench``, with their targets (bound, value, unit)."""
+    cases = [
+        _attn_case("prefill deepseek bf16 T4096 S8192 H128 k2048", "bf16", 512, 64, 128, 4096, 8192, 2048,
+                   (">=", 600.0, "TFLOPS")),
+        _attn_case("prefill glm bf16 T4096 S8192 H64 k2048", "bf16", 256, 0, 64, 4096, 8192, 2048,
+                   (">=", 450.0, "TFLOPS")),
+        _attn_case("decode glm bf16 T1 S65536 H64 k2048", "bf16", 256, 0, 64, 1, 65536, 2048,
+                   ("<=", 15.0, "us")),
+        _attn_case("decode glm bf16 T17 S65536 H64 k2112", "bf16", 256, 0, 64, 17, 65536, 2112,
+                   ("<=", 20.0, "us")),
+        _attn_case("decode deepseek bf16 T1 S65536 H128 k2048", "bf16", 512, 64, 128, 1, 65536, 2048,
+                   ("<=", 20.0, "us")),
+        _attn_case("decode deepseek packed T256 S65536 H128 k2048", "packed", 512, 64, 128, 256, 65536, 2048,
+                   (">=", 400.0, "TFLOPS")),
+        _attn_case("decode glm packed T1 S65536 H64 k2048", "packed", 256, 0, 64, 1, 65536, 2048,
+                   ("<=", 10.0, "us")),
+        _attn_case("decode glm packed T17 S65536 H64 k2112", "packed", 256, 0, 64, 17, 65536, 2112,
+                   ("<=", 15.0, "us")),
+        _attn_case("prefill glm packed T4096 S8192 H64 k2048", "packed", 256, 0, 64, 4096, 8192, 2048,
+                   (">=", 400.0, "TFLOPS")),
+        _attn_case("prefill deepseek fp8 T4096 S8192 H128 k2048", "fp8", 512, 64, 128, 4096, 8192, 2048),
+        _attn_case("prefill glm fp8 T4096 S8192 H64 k2048", "fp8", 256, 0, 64, 4096, 8192, 2048),
+        _attn_case("decode glm fp8 T1 S65536 H64 k2048", "fp8", 256, 0, 64, 1, 65536, 2048),
+        _attn_case("decode glm fp8 T17 S65536 H64 k2112", "fp8", 256, 0, 64, 17, 65536, 2112),
+        # tensor-parallel shards: DeepSeek over 8 GPUs has 16 heads per GPU, GLM 8
+        _attn_case("prefill deepseek bf16 T4096 S8192 H16 k2048", "bf16", 512, 64, 16, 4096, 8192, 2048),
+        _attn_case("decode deepseek packed T1 S65536 H16 k2048", "packed", 512, 64, 16, 1, 65536, 2048),
+        _attn_case("decode deepseek packed T256 S65536 H16 k2048", "packed", 512, 64, 16, 256, 65536, 2048),
+        _attn_case("prefill glm packed T4096 S8192 H8 k2048", "packed", 256, 0, 8, 4096, 8192, 2048),
+        _attn_case("decode glm packed T1 S65536 H8 k2048", "packed", 256, 0, 8, 1, 65536, 2048),
+        _attn_case("decode glm packed T17 S65536 H8 k2112", "packed", 256, 0, 8, 17, 65536, 2112),
+    ]
+    return cases

@@ -1,0 +1,152 @@
+"""Compiling, caching and warming up the TileLang kernels of ``csrc_tl``.
+
+A kernel is named by a key: a frozen record that spells out its whole specialization. Each op family's GPU module
+registers, once, how a key of its own becomes a TileLang program (:func:`register_builder`); this module lowers and
+builds it, keeps it for the process (TileLang's disk cache keeps it across processes) and refuses to compile inside
+a CUDA graph capture. Row and token counts are dynamic in every program, so batches of any size reuse the binary.
+
+TileLang is imported only when a kernel is built, so importing the package stays cheap.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+from collections.abc import Callable, Hashable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["TARGETS", "KernelKey", "register_builder", "program", "pass_configs", "lower_source", "kernel", "warmup"]
+
+TARGETS = {"cuda": {"kind": "cuda", "arch": "sm_90a"}, "hip": {"kind": "hip", "mcpu": "gfx950"}}
+
+
+@dataclass(frozen=True)
+class KernelKey:
+    """A kernel of the K-cache and attention families: ``family`` names the builder, ``spec`` is its frozen
+    geometry record, ``flags`` the family's other choices (see the family's ``*_keys`` function)."""
+
+    family: str
+    spec: object
+    flags: tuple = ()
+
+    @property
+    def name(self) -> str:
+        flags = "_".join(str(f) for f in self.flags)
+        return f"{self.family}[{self.spec}{'; ' + flags if flags else ''}]"
+
+
+@dataclass(frozen=True)
+class _Builder:
+    build: Callable[[object], object]  # key -> TileLang program
+    pass_configs: Callable[[object], dict]
+
+
+_BUILDERS: dict[Hashable, _Builder] = {}
+
+
+def register_builder(kind: Hashable, build: Callable[[object], object],
+                     configs: Callable[[object], dict] | None = None) -> None:
+    """Register how keys of ``kind`` become programs: ``kind`` is a :class:`KernelKey` family name, or the type of a
+    family's own typed key (a frozen dataclass with a ``name``)."""
+    _BUILDERS[kind] = _Builder(build, configs or (lambda key: {}))
+
+
+def _builder(key) -> _Builder:
+    return _BUILDERS[key.family if isinstance(key, KernelKey) else type(key)]
+
+
+def program(key):
+    """The TileLang program of ``key`` (a pure function of the key)."""
+    return _builder(key).build(key)
+
+
+def pass_configs(key) -> dict:
+    """TileLang pass configs the kernel of ``key`` is compiled with."""
+    return _builder(key).pass_configs(key)
+
+
+def lower_source(key, target: str) -> str:
+    """Generated kernel source of ``key`` for ``target`` ('cuda' = sm_90a, 'hip' = gfx950); needs no GPU."""
+    import tilelang
+    from tilelang import tvm
+
+    tgt = tvm.target.Target(TARGETS[target])
+    with tgt:
+        return tilelang.lower(program(key), target=tgt).kernel_source
+
+
+_KERNELS: dict[Hashable, Callable] = {}
+_LOCK = threading.Lock()
+
+
+def target() -> str:
+    """This process's kernel target: 'hip' on ROCm builds of torch, else 'cuda'."""
+    return "hip" if torch.version.hip else "cuda"
+
+
+@functools.cache
+def is_hopper() -> bool:
+    """The current process runs CUDA on sm_90 (the warp-specialized kernels' target)."""
+    return target() == "cuda" and torch.cuda.get_device_capability() == (9, 0)
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _compile(key, func=None) -> Callable:
+    """Lower and build ``key`` (from its already elaborated program ``func`` if given)."""
+    import tilelang
+
+    return tilelang.compile(program(key) if func is None else func, target=target(), pass_configs=pass_configs(key))
+
+
+def kernel(key) -> Callable:
+    """The compiled kernel of ``key``, compiled now if this process has not yet (never inside a graph capture)."""
+    fn = _KERNELS.get(key)
+    if fn is not None:
+        return fn
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"sparse_dsa_ops: kernel {key.name} is not compiled yet and cannot be compiled inside a CUDA graph "
+            "capture; call sparse_dsa_ops.warmup(...) for this geometry (or run the op once) before capturing"
+        )
+    with _LOCK:
+        if key not in _KERNELS:
+            _KERNELS[key] = _compile(key)
+    return _KERNELS[key]
+
+
+def warmup(keys: Iterable, workers: int = 8, progress: bool = True) -> None:
+    """Compile ``keys`` ahead of time, in parallel, with a progress line on stderr."""
+    todo = [k for k in dict.fromkeys(keys) if k not in _KERNELS]
+    if not todo:
+        return
+    if progress:
+        print(f"sparse_dsa_ops: elaborating {len(todo)} kernels", end="", file=sys.stderr, flush=True)
+    # Programs are elaborated here, one after another: TileLang's frontend builder keeps global
+    # state and is not safe to run in several threads. Lowering and nvcc run in parallel threads
+    # (as tilelang.par_compile does).
+    programs = [(key, program(key)) for key in todo]
+
+    def build(item):
+        key, func = item
+        fn = _compile(key, func)
+        with _LOCK:
+            _KERNELS[key] = fn
+        return key
+
+    done = 0
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(todo)))) as pool:
+        for key in pool.map(build, programs):
+            done += 1
+            if progress:
+                print(f"\rsparse_dsa_ops: compiled {done}/{len(todo)} kernels ({key.name})".ljust(100), end="",
+                      file=sys.stderr, flush=True)
+    if progress:
+        print(file=sys.stderr)
