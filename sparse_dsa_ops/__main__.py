@@ -154,13 +154,17 @@ def _time_ms(fn: Callable[[], object], device: torch.device, reps: int) -> float
 def _warm_up_check() -> None:
     """Compile every kernel the check runs, in parallel, before the first case (one after another they take
     minutes); the progress line says what it is doing."""
-    from . import warmup
-
     print("compiling the check's kernels in parallel (TileLang's disk cache makes the next run fast)", flush=True)
+    from . import _cuda
+    from ._cuda import attention, k_cache
+
+    keys = []
     for d_nope, d_rope, heads in GEOMETRIES.values():
-        warmup(heads=heads, d_nope=d_nope, d_rope=d_rope, sm_scale=(d_nope + d_rope) ** -0.5,
-               kv_kinds=("bf16", "fp8", "packed"), fp8_q=(False, True), topk_length=(False,),
-               round_scale=(False, True), slot_dtypes=("int32",), workers=16)
+        scale = (d_nope + d_rope) ** -0.5
+        for kind, q_fp8 in (("bf16", False), ("packed", False), ("fp8", True)):  # the q of each attention case
+            keys += attention.attn_keys(kind, d_nope, d_rope, heads, scale, False, q_fp8=q_fp8)
+        keys += k_cache.warmup_keys(KCacheLayout(d_nope, d_rope), slot_dtypes=("int32",))
+    _cuda.warmup(keys, workers=16)
 
 
 def check(device: torch.device) -> int:

@@ -21,6 +21,14 @@ ATTN = {"glm-256+0-h64": (256, 0, 64), "deepseek-512+64-h128": (512, 64, 128), "
 
 
 @functools.cache
+def _gpu(name: str, *args):
+    """The GPU backend's implementation of op ``name`` called as the dispatcher would (after the op's checker)."""
+    from sparse_dsa_ops.ops import OPS
+
+    impl = getattr(_cuda, name)
+    return impl(OPS[name].check(*args), *args) if getattr(impl, "takes_checked", False) else impl(*args)
+
+
 def source(key: _cuda.KernelKey, target: str) -> str:
     return _cuda.lower_source(key, target)
 
@@ -79,8 +87,8 @@ def test_quant_kernels_write_whole_rows(op, lay, vec, target):
 @pytest.mark.parametrize("op", ["quant_k_cache", "store_k_cache"])
 def test_quant_kernels_refuse_odd_tails(launches, op):
     k_nope, k_rope = torch.randn(2, 256).bfloat16(), torch.randn(2, 3).bfloat16()
-    call = {"quant_k_cache": lambda: _cuda.quant_k_cache(k_nope, k_rope),
-            "store_k_cache": lambda: _cuda.store_k_cache(k_nope, k_rope, torch.zeros(4, 270, dtype=torch.uint8),
+    call = {"quant_k_cache": lambda: _gpu("quant_k_cache", k_nope, k_rope),
+            "store_k_cache": lambda: _gpu("store_k_cache", k_nope, k_rope, torch.zeros(4, 270, dtype=torch.uint8),
                                                          torch.tensor([0, 1], dtype=torch.int32))}[op]
     with pytest.raises(ValueError, match=f"dsa.{op} on a GPU: k_rope must have an even width, got d_rope = 3"):
         call()
@@ -385,7 +393,7 @@ def test_misaligned_inputs_reach_the_kernels_as_aligned_copies(launches, offset)
     lengths = torch.tensor([0, 5, 64], dtype=torch.int32)
     kv = torch.zeros(8, 264, dtype=torch.uint8)
     int_offset = offset if offset % 4 == 0 else 4  # (int32 views need 4-byte steps)
-    _cuda.sparse_attn(at_offset(q, offset), kv, at_offset(idx, int_offset), 256**-0.5, 256,
+    _gpu("sparse_attn", at_offset(q, offset), kv, at_offset(idx, int_offset), 256**-0.5, 256,
                       at_offset(lengths, int_offset))
     (_, got), = launches
     assert all(t.data_ptr() % 16 == 0 for t in got[:4] if isinstance(t, torch.Tensor))
@@ -393,7 +401,7 @@ def test_misaligned_inputs_reach_the_kernels_as_aligned_copies(launches, offset)
     assert got[1] is kv or got[1].data_ptr() == kv.data_ptr()  # the pool is never copied
     launches.clear()
     aligned = [q, kv, idx]
-    _cuda.sparse_attn(*aligned, 256**-0.5, 256)
+    _gpu("sparse_attn", *aligned, 256**-0.5, 256)
     assert launches[0][1][0] is q  # aligned inputs are passed as they are, not as views made per call
 
 
@@ -408,7 +416,7 @@ def test_last_partial_round_takes_the_split_path(launches, heads, t_count, main)
     kv = torch.zeros(8, 264, dtype=torch.uint8)
     idx = torch.randint(-1, 8, (t_count, topk), dtype=torch.int32)
     lengths = torch.randint(0, topk, (t_count,), dtype=torch.int32)
-    out, lse = _cuda.sparse_attn(q, kv, idx, d_qk**-0.5, d_v, lengths)
+    out, lse = _gpu("sparse_attn", q, kv, idx, d_qk**-0.5, d_v, lengths)
     (prefill, first), (split, rest), (combine, merged) = launches
     assert (prefill.family, split.family, combine.family) == ("attn_prefill_ws", "attn_decode_ws", "combine")
     for got, want in zip(first[:4], (q[:main], kv, idx[:main], lengths[:main])):
@@ -443,10 +451,10 @@ def test_pools_must_start_where_a_row_can(launches, row_bytes, offset, ok):
     k_rope = torch.randn(2, lay.d_rope).bfloat16() if lay.d_rope else None
     loc = torch.tensor([1, 3], dtype=torch.int32)
     calls = [
-        lambda: _cuda.sparse_attn(q, pool, idx, lay.d_qk**-0.5, lay.d_nope),
-        lambda: _cuda.store_k_cache(k_nope, k_rope, pool, loc),
-        lambda: _cuda.gather_k_cache(pool, loc),
-        lambda: _cuda.gather_dequant_k_cache(pool, loc),
+        lambda: _gpu("sparse_attn", q, pool, idx, lay.d_qk**-0.5, lay.d_nope),
+        lambda: _gpu("store_k_cache", k_nope, k_rope, pool, loc),
+        lambda: _gpu("gather_k_cache", pool, loc),
+        lambda: _gpu("gather_dequant_k_cache", pool, loc),
     ]
     for call in calls:
         if ok:
@@ -458,7 +466,7 @@ def test_pools_must_start_where_a_row_can(launches, row_bytes, offset, ok):
     assert len(launches) == (len(calls) if ok else 0)
     # dequant_k_cache reads the whole input: a misaligned one is copied instead
     launches.clear()
-    _cuda.dequant_k_cache(pool)
+    _gpu("dequant_k_cache", pool)
     (_, (rows, _)), = launches
     assert rows.data_ptr() % 16 == 0 and torch.equal(rows, pool)
 

@@ -205,7 +205,7 @@ def sparse_attn(args: AttnArgs, q, kv, indices, sm_scale, d_v, topk_length=None,
         return out, lse
     if args.topk == 0 or args.pool.slots == 0:
         return _empty_result(out, lse)
-    pool = pool_rows(kv, args.pool)
+    pool = pool_rows(kv, args.pool, args.kv_kind == "packed")
     check_pool("sparse_attn", "kv", pool, pool.shape[1] * pool.element_size())
     idx = pool_slots(indices.reshape(t_count, args.topk), args.pool)
     plan = plan_attn(args.kv_kind, d_v, args.d_rope, heads, sm_scale, topk_length is not None, args.q_fp8,

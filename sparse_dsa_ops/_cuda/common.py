@@ -41,11 +41,12 @@ def slot_dtype(ids: torch.Tensor) -> str:
     return "int64" if ids.dtype == torch.int64 else "int32"
 
 
-def pool_rows(pool: torch.Tensor, view: PoolView) -> torch.Tensor:
+def pool_rows(pool: torch.Tensor, view: PoolView, packed: bool = True) -> torch.Tensor:
     """The pool as one ``[rows, width]`` tensor of rows the kernels address by row id, without a copy: a uint8
     view of packed rows of any 1-byte dtype; for pages further apart than a page, the rows from the first page's
-    first to the last page's last (the gaps between pages included, never addressed: see :func:`pool_slots`)."""
-    if pool.dtype in (torch.int8, torch.float8_e4m3fn):
+    first to the last page's last (the gaps between pages included, never addressed: see :func:`pool_slots`).
+    ``packed``: the pool holds packed rows (not raw bf16 or float8 values)."""
+    if packed and pool.dtype in (torch.int8, torch.float8_e4m3fn):
         pool = pool.view(torch.uint8)
     if view.contiguous:
         return pool.reshape(-1, view.width)
