@@ -20,6 +20,7 @@ __all__ = [
     "gather_k_cache",
     "gather_dequant_k_cache",
     "sparse_attn",
+    "attn_max_logits",
     "flatten_pool",
 ]
 
@@ -185,3 +186,34 @@ def sparse_attn(
         out[start:stop] = (acc / total_out).to(torch.bfloat16)
         lse[start:stop] = (row_max + torch.log(total)).squeeze(-1)  # log 0 = -inf for empty rows
     return out, lse
+
+
+def attn_max_logits(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int,
+    topk_length: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The largest valid scaled score ``max_j sm_scale * q[t, h] . kv[idx[t, j]]`` -> ``[T, H]`` float32; ``-inf`` for
+    a token with no valid entry. Validity and pools as in :func:`sparse_attn`."""
+    t_count, heads, d_qk = q.shape
+    indices = indices.reshape(t_count, indices.shape[-1])  # [T, K]
+    topk = indices.shape[1]
+    num_slots = flatten_pool(kv).shape[0]
+    best = torch.full((t_count, heads), float("-inf"), dtype=torch.float32, device=q.device)  # [T, H]
+    if t_count == 0 or topk == 0 or num_slots == 0:
+        return best
+    chunk = max(1, _ATTN_CHUNK_BYTES // (4 * topk * (d_qk + heads)))
+    position = torch.arange(topk, device=q.device)  # [K]
+    for start in range(0, t_count, chunk):
+        stop = min(start + chunk, t_count)
+        ids = indices[start:stop].long()  # [t, K]
+        valid = (ids >= 0) & (ids < num_slots)  # [t, K]
+        if topk_length is not None:
+            valid &= position < topk_length[start:stop, None].long()
+        rows = _kv_rows(kv, torch.where(valid, ids, 0), d_v, d_qk)  # [t, K, d_qk]
+        scores = torch.einsum("thd,tkd->thk", q[start:stop].float(), rows) * sm_scale  # [t, H, K]
+        best[start:stop] = scores.masked_fill(~valid.unsqueeze(1), float("-inf")).amax(dim=-1)  # [t, H]
+    return best
