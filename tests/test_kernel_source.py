@@ -379,9 +379,10 @@ def launches(monkeypatch):
     """The CUDA backend's op functions run on CPU tensors, each kernel launch recorded instead of run:
     a list of (kernel key, launch arguments)."""
     calls = []
-    monkeypatch.setattr(_cuda, "kernel", lambda key: lambda *args: calls.append((key, args)))
-    monkeypatch.setattr(_cuda, "_sm_count", lambda device: 132)
-    monkeypatch.setattr(_cuda, "_is_hopper", lambda: True)
+    for family in _cuda.FAMILIES:  # each family module launches through its own imported names
+        monkeypatch.setattr(family, "kernel", lambda key: lambda *args: calls.append((key, args)), raising=False)
+    monkeypatch.setattr(_cuda.attention, "sm_count", lambda device: 132)
+    monkeypatch.setattr(_cuda.attention, "is_hopper", lambda: True)
     return calls
 
 
