@@ -223,9 +223,10 @@ def sparse_attn(args: AttnArgs, q, kv, indices, sm_scale, d_v, topk_length=None,
         kernel(plan.split[0])(rows[0], pool, *rows[1:], part_out, part_lse)
         kernel(plan.split[1])(part_out, part_lse, _rows(out, main, t_count), _rows(lse, main, t_count))
     if attn_sink is not None:
-        # The sink joins the denominator only: out * sum / (sum + exp(sink)) = out * sigmoid(lse - sink), in place;
-        # an empty row (lse -inf) keeps out = 0.
-        out.mul_(torch.sigmoid(lse - attn_sink).unsqueeze(-1))
+        # The sink joins the denominator only: out * sum / (sum + exp(sink)) = out * sigmoid(lse - sink), in place.
+        # An empty row (lse -inf) keeps out = 0, also where the sink is -inf (-inf - -inf would be NaN).
+        weight = torch.where(lse == float("-inf"), 0.0, torch.sigmoid(lse - attn_sink))
+        out.mul_(weight.unsqueeze(-1))
     return out, lse
 
 
