@@ -571,7 +571,7 @@ def _index_cache(op: str, cache: object, dim: int | None, device: torch.device |
     if not cache.is_contiguous():
         _fail(op, "cache", "contiguous (pages of FP8 rows, then their scales)",
               f"{_describe(cache)} with strides {cache.stride()}")
-    pages, row = int(cache.shape[0]), int(cache.shape[-1])
+    pages, row = cache.shape[0], int(cache.shape[-1])  # the page count stays symbolic under torch.compile
     if cache.dim() > 2:
         page, d = int(cache.shape[1]), row - INDEX_SCALE_BYTES
         if dim is not None and d != dim:
@@ -798,7 +798,7 @@ def check_topk(logits, lengths, k, starts=None, page_table=None, row_request=Non
                out_width=None) -> TopkArgs:
     op = "topk"
     logits = _tensor(op, "logits", logits, (torch.float32,), (2,))
-    rows, dev = int(logits.shape[0]), logits.device
+    rows, dev = logits.shape[0], logits.device  # symbolic under torch.compile: no int(), no specialization
     _vector(op, "lengths", lengths, torch.int32, rows, dev, "row of logits")
     if not isinstance(k, int) or not 1 <= k <= MAX_TOPK:
         _fail(op, "k", f"an int in [1, {MAX_TOPK}]", k, TypeError if not isinstance(k, int) else ValueError)
