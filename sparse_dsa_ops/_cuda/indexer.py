@@ -1,8 +1,20 @@
-"""GPU implementations of the lightning indexer's ops (arguments already checked by ``ops.py``)."""
+"""GPU implementations of the lightning indexer's ops (arguments already checked by ``ops.py``).
+
+The kernels (``csrc_tl.index``) take the paged index-K cache as ``[P, page * (D + 4)]`` uint8 whatever view the
+caller passes, 2-d queries and weights, and write every output element, so outputs are never zero-filled first.
+"""
 
 from __future__ import annotations
 
-from .. import reference
+import math
+
+import torch
+
+from csrc_tl import index as builders
+
+from ..ops import takes_checked
+from .common import aligned, slot_dtype
+from .compile import kernel, register_builder, target
 
 __all__ = [
     "bench_cases",
@@ -14,30 +26,174 @@ __all__ = [
     "paged_index_logits",
 ]
 
+register_builder(builders.QuantIndexKey, builders.build_quant_index, builders.pass_configs)
+register_builder(builders.GatherIndexKey, builders.build_gather_index_k, builders.pass_configs)
+register_builder(builders.IndexLogitsKey, builders.build_index_logits, builders.pass_configs)
+register_builder(builders.PagedLogitsKey, builders.build_paged_index_logits, builders.pass_configs)
 
-def quant_index(*args):
-    return reference.quant_index(*args)
-
-
-def store_index_k(*args):
-    return reference.store_index_k(*args)
-
-
-def gather_index_k(*args):
-    return reference.gather_index_k(*args)
+_Q_DTYPES = {torch.float8_e4m3fn: "float8_e4m3fn", torch.bfloat16: "bfloat16"}
 
 
-def index_logits(*args):
-    return reference.index_logits(*args)
+def _pages(cache: torch.Tensor, layout) -> torch.Tensor:
+    """The cache as ``[P, page * (D + 4)]`` uint8 (a view: the checker made sure it is contiguous)."""
+    return cache.view(cache.shape[0], layout.page_bytes)
 
 
-def paged_index_logits(*args):
-    return reference.paged_index_logits(*args)
+def quant_index(x, round_scale=False):
+    dim = x.shape[-1]
+    rows = aligned(x.reshape(-1, dim))
+    values = torch.empty(rows.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
+    if rows.shape[0]:
+        kernel(builders.QuantIndexKey(dim, 0, round_scale))(rows, values, scale)
+    return values.reshape(x.shape), scale.reshape(x.shape[:-1])
 
 
-def warmup_keys(*args) -> list:
-    return []
+@takes_checked
+def store_index_k(layout, k, cache, loc, round_scale=False):
+    if k.shape[0] and layout.slots:
+        key = builders.QuantIndexKey(layout.dim, layout.page, round_scale, slot_dtype(loc))
+        kernel(key)(aligned(k), aligned(loc), _pages(cache, layout))
+
+
+@takes_checked
+def gather_index_k(layout, cache, indices, head_dim=None):
+    m = indices.shape[0]
+    values = torch.empty(m, layout.dim, dtype=torch.float8_e4m3fn, device=cache.device)
+    scale = torch.empty(m, dtype=torch.float32, device=cache.device)
+    if m and not layout.slots:
+        values.view(torch.uint8).zero_()  # every id is out of range of an empty cache
+        scale.zero_()
+    elif m:
+        key = builders.GatherIndexKey(layout.dim, layout.page, slot_dtype(indices))
+        kernel(key)(_pages(cache, layout), aligned(indices), values, scale)
+    return values, scale
+
+
+def index_logits(q, k, k_scale, weights, ks, ke):
+    tokens, heads, dim = q.shape
+    logits = torch.empty(tokens, k.shape[0], dtype=torch.float32, device=q.device)
+    if not logits.numel():
+        return logits
+    if not k.shape[0]:
+        return logits  # (no columns)
+    key = builders.index_logits_key(dim, heads, _Q_DTYPES[q.dtype], target())
+    kernel(key)(aligned(q), aligned(k), aligned(k_scale), aligned(weights), aligned(ks), aligned(ke), logits)
+    return logits
+
+
+@takes_checked
+def paged_index_logits(layout, q, cache, weights, lengths, page_table):
+    b_count, n, heads, dim = q.shape
+    logits = torch.empty(b_count * n, page_table.shape[1] * layout.page, dtype=torch.float32, device=q.device)
+    if not logits.numel():
+        return logits
+    if not layout.slots:
+        return logits.fill_(-math.inf)  # no page-table entry lies inside an empty cache
+    key = builders.paged_logits_key(dim, heads, layout.page, _Q_DTYPES[q.dtype], target())
+    kernel(key)(aligned(q.reshape(b_count * n, heads, dim)), _pages(cache, layout), aligned(weights),
+                aligned(lengths), aligned(page_table), logits)
+    return logits
+
+
+def warmup_keys(heads=(), dim=128, page=64, round_scale=(False,), slot_dtypes=("int32",)) -> list:
+    """The indexer kernels for ``heads`` (an int or several) at head dim ``dim`` and cache pages of ``page``
+    tokens: the quantizers, the gather, and both logits kernels for FP8 queries."""
+    heads = (heads,) if isinstance(heads, int) else tuple(heads)
+    if not heads:
+        return []
+    keys = [builders.QuantIndexKey(dim, 0, rs) for rs in round_scale]
+    keys += [builders.QuantIndexKey(dim, page, rs, sd) for rs in round_scale for sd in slot_dtypes]
+    keys += [builders.GatherIndexKey(dim, page, sd) for sd in slot_dtypes]
+    for h in heads:
+        keys += [builders.index_logits_key(dim, h, "float8_e4m3fn", target()),
+                 builders.paged_logits_key(dim, h, page, "float8_e4m3fn", target())]
+    return keys
+
+
+# ----------------------------------------------------------------------------------------------
+# Bench cases: the roof of a logits case is max(FLOPs / FP8 matmul ceiling, bytes / copy ceiling), FLOPs of the
+# in-range (token, key) pairs only, bytes the keys read once plus the logits written.
+
+DIM = 128
+PAGE = 64
+LOGITS_TARGET = ("<=", 1.4, "x roof")
+PAGED_BATCH_TARGET = ("<=", 1.0, "x roof")
+PAGED_ROW_TARGET = ("<=", 12.0, "us")
+STORE_TARGET = (">=", 0.85, "of copy")
+SMALL_STORE_TARGET = ("<=", 3.0, "us")
+
+
+def _gen():
+    return torch.Generator(device="cuda").manual_seed(0)
+
+
+def _fp8(shape, gen):
+    return (torch.randn(shape, device="cuda", generator=gen) * 0.5).to(torch.float8_e4m3fn)
+
+
+def _logits_case(heads: int, tokens: int, keys: int, causal: bool) -> dict:
+    def make():
+        gen = _gen()
+        q = _fp8((tokens, heads, DIM), gen)
+        k = _fp8((keys, DIM), gen)
+        k_scale = torch.rand(keys, device="cuda", generator=gen) + 0.5
+        w = torch.randn(tokens, heads, device="cuda", generator=gen)
+        ks = torch.zeros(tokens, dtype=torch.int32, device="cuda")
+        # causal: the last token sees every key, the first keys - tokens + 1
+        ke = (torch.arange(tokens, device="cuda", dtype=torch.int32) + (keys - tokens + 1) if causal
+              else torch.full((tokens,), keys, dtype=torch.int32, device="cuda"))
+        return q, k, k_scale, w, ks, ke
+
+    pairs = tokens * keys - (tokens * (tokens - 1) // 2 if causal else 0)
+    key = builders.index_logits_key(DIM, heads, "float8_e4m3fn", "cuda")
+    return dict(name=f"index_logits h{heads} T{tokens} N{keys // 1024}K{' causal' if causal else ''}",
+                op="index_logits", make=make, flops=2 * pairs * heads * DIM, roof=True,
+                bytes=keys * (DIM + 4) + tokens * keys * 4, keys=[key], path=key.name, target=LOGITS_TARGET)
+
+
+def _paged_case(heads: int, batch: int, context: int) -> dict:
+    max_pages = context // PAGE
+
+    def make():
+        gen = _gen()
+        pages = batch * max_pages
+        cache = torch.randint(0, 120, (pages, PAGE * (DIM + 4)), dtype=torch.uint8, device="cuda", generator=gen)
+        cache[:, PAGE * DIM:].view(torch.float32).fill_(0.01)  # the scales
+        q = _fp8((batch, 1, heads, DIM), gen)
+        w = torch.randn(batch, heads, device="cuda", generator=gen)
+        lengths = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+        table = torch.randperm(pages, device="cuda", generator=gen).int().reshape(batch, max_pages)
+        return q, cache, w, lengths, table
+
+    key = builders.paged_logits_key(DIM, heads, PAGE, "float8_e4m3fn", "cuda")
+    return dict(name=f"paged_index_logits h{heads} B{batch} {context // 1024}K", op="paged_index_logits",
+                make=make, flops=2 * batch * context * heads * DIM, roof=True,
+                bytes=batch * context * (DIM + 4 + 4), keys=[key], path=key.name,
+                target=PAGED_ROW_TARGET if batch == 1 else PAGED_BATCH_TARGET)
+
+
+def _store_case(op: str, rows: int) -> dict:
+    def make():
+        gen = _gen()
+        x = torch.randn(rows, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+        if op == "quant_index":
+            return (x, False)
+        pages = -(-rows // PAGE)
+        cache = torch.zeros(pages, PAGE * (DIM + 4), dtype=torch.uint8, device="cuda")
+        return (x, cache, torch.randperm(pages * PAGE, device="cuda", generator=gen)[:rows].int(), False)
+
+    key = builders.QuantIndexKey(DIM, 0 if op == "quant_index" else PAGE)
+    moved = rows * (2 * DIM + DIM + 4 + (4 if op == "store_index_k" else 0))
+    big = rows >= 1 << 20
+    return dict(name=f"{op} {rows if rows < 1024 else f'{rows >> 20}M'} rows", op=op, make=make, flops=None,
+                bytes=moved, keys=[key], path=key.name, target=STORE_TARGET if big else SMALL_STORE_TARGET)
 
 
 def bench_cases() -> list[dict]:
-    return []
+    """The indexer cases of ``python -m sparse_dsa_ops bench``, with their targets (bound, value, unit)."""
+    cases = [_logits_case(h, 4096, 65536, False) for h in (64, 32, 16, 8)]
+    cases += [_logits_case(64, 4096, 65536, True)]
+    cases += [_paged_case(h, b, 131072) for h in (64, 8) for b in (64, 1)]
+    cases += [_store_case(op, rows) for op in ("quant_index", "store_index_k") for rows in (1 << 20, 16)]
+    return cases

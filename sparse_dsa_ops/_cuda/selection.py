@@ -1,19 +1,123 @@
-"""GPU implementation of the exact top-k selection (arguments already checked by ``ops.py``)."""
+"""GPU implementation of the exact top-k selection (arguments already checked by ``ops.py``).
+
+Two schemes (``csrc_tl.topk``): one CTA per row when the rows fill the GPU, and for few long rows (decode) each row
+split over several CTAs in two launches, whose scratch is allocated per call (so a graph capture owns its own).
+"""
 
 from __future__ import annotations
 
-from .. import reference
+from dataclasses import dataclass
 
-__all__ = ["bench_cases", "warmup_keys", "topk"]
+import torch
+
+from csrc_tl import topk as builders
+
+from ..ops import takes_checked
+from .common import aligned
+from .compile import kernel, register_builder, sm_count
+
+__all__ = ["bench_cases", "warmup_keys", "plan_topk", "TopkPlan", "topk"]
+
+register_builder(builders.TopkKey, builders.build_topk_rows, builders.pass_configs)
+register_builder(builders.TopkSplitKey, builders.build_topk_split, builders.pass_configs)
+
+SPLIT_MIN_WIDTH = 8192  # rows narrower than this are one CTA's work however few they are
+SPLIT_MIN_CHUNK = 4096  # columns of a split CTA at least (its list is gathered from them)
+SPLIT_WAVES = 2  # split CTAs per SM the rows of a call aim at
+MAX_CHUNKS = 256  # CTAs a row at most (the split kernels take up to their thread count, 512)
+DEFAULT_SMS = 132  # an H200's, for plans made without a GPU
 
 
-def topk(*args):
-    return reference.topk(*args)
+@dataclass(frozen=True)
+class TopkPlan:
+    """What one ``topk`` call launches: ``chunks`` CTAs a row (1: the one-CTA-per-row kernel)."""
+
+    chunks: int
+    chunk: int  # columns of a chunk (the whole width when not split)
+
+    def keys(self, k: int, page_size: int, has_starts: bool, has_row_request: bool) -> list:
+        fields = dict(k=k, page_size=page_size, has_starts=has_starts, has_row_request=has_row_request)
+        if self.chunks == 1:
+            return [builders.TopkKey(**fields)]
+        return [builders.TopkSplitKey(stage=stage, **fields) for stage in ("hist", "select")]
 
 
-def warmup_keys(*args) -> list:
-    return []
+def plan_topk(rows: int, width: int, sms: int) -> TopkPlan:
+    """Split a row over CTAs when ``rows`` alone leave most of the ``sms`` SMs idle and the rows are long."""
+    if width < SPLIT_MIN_WIDTH or rows * SPLIT_WAVES >= sms:
+        return TopkPlan(1, width)
+    chunks = max(1, min(SPLIT_WAVES * sms // max(rows, 1), -(-width // SPLIT_MIN_CHUNK), MAX_CHUNKS))
+    return TopkPlan(chunks, builders.split_chunk(width, chunks)) if chunks > 1 else TopkPlan(1, width)
+
+
+@takes_checked
+def topk(args, logits, lengths, k, starts=None, page_table=None, row_request=None, page_size=64, out_width=None):
+    rows, width = logits.shape
+    out = torch.empty(rows, args.width, dtype=torch.int32, device=logits.device)
+    if not rows:
+        return out
+    if not width:
+        return out.fill_(-1)
+    page = page_size if args.paged else 0
+    plan = plan_topk(rows, width, sm_count(logits.device))
+    keys = plan.keys(k, page, starts is not None, row_request is not None)
+    lengths = aligned(lengths)
+    optional = [aligned(t) for t in (starts, page_table, row_request) if t is not None]
+    if plan.chunks == 1:
+        kernel(keys[0])(logits, lengths, *optional, out)
+        return out
+    dev = logits.device
+    counters = torch.zeros(rows, builders.COUNTERS, dtype=torch.int32, device=dev)
+    row_state = torch.empty(rows, builders.ROW_STATE, dtype=torch.int32, device=dev)
+    cand = torch.empty(rows, plan.chunks, 2, plan.chunk, dtype=torch.int32, device=dev)
+    cand_count = torch.empty(rows, plan.chunks, dtype=torch.int32, device=dev)
+    kernel(keys[0])(logits, lengths, *optional[:1 if starts is not None else 0], counters, row_state, cand)
+    kernel(keys[1])(logits, lengths, *optional, counters, row_state, cand, cand_count, out)
+    return out
+
+
+def warmup_keys(k=None, page_size=64, starts=(False, True), paged=(False, True), row_request=(False, True)) -> list:
+    """The top-k kernels of selection size ``k`` (both schemes) for the argument combinations given: with or
+    without ``starts``, positions or slots of a page table of ``page_size`` tokens, with or without
+    ``row_request``."""
+    if not k:
+        return []
+    keys = []
+    for has_starts in starts:
+        for is_paged in paged:
+            for has_request in row_request if is_paged else (False,):
+                for chunks in (1, 2):
+                    keys += TopkPlan(chunks, 0).keys(k, page_size if is_paged else 0, has_starts, has_request)
+    return list(dict.fromkeys(keys))
+
+
+# ----------------------------------------------------------------------------------------------
+# Bench cases: the logits are read once (the byte count), against the device copy of the same run.
+
+ROW_TARGETS = {1: ("<=", 12.0, "us"), 4: ("<=", 25.0, "us")}
+COPY_TARGET = (">=", 0.70, "of copy")
+
+
+def _case(rows: int, width: int, k: int, causal: bool = False) -> dict:
+    def make():
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        logits = torch.randn(rows, width, device="cuda", generator=gen)
+        if causal:  # prefill: row r sees 1 + r * (width - 1) / (rows - 1) columns
+            lengths = (1 + torch.arange(rows, device="cuda") * (width - 1) // max(rows - 1, 1)).int()
+        else:
+            lengths = torch.full((rows,), width, dtype=torch.int32, device="cuda")
+        return logits, lengths, k
+
+    plan = plan_topk(rows, width, sm_count(torch.device("cuda")) if torch.cuda.is_available() else DEFAULT_SMS)
+    keys = plan.keys(k, 0, False, False)
+    read = (rows * (width + 1) // 2 if causal else rows * width) * 4
+    target = ROW_TARGETS.get(rows, COPY_TARGET)
+    name = f"topk k{k} of {width // 1024}K, {rows} rows{' causal' if causal else ''}"
+    return dict(name=name, op="topk", make=make, flops=None, bytes=read, keys=keys,
+                path=f"{plan.chunks} CTAs a row" if plan.chunks > 1 else "a CTA a row", target=target)
 
 
 def bench_cases() -> list[dict]:
-    return []
+    """The top-k cases of ``python -m sparse_dsa_ops bench``, with their targets (bound, value, unit)."""
+    return [_case(1, 131072, 2048), _case(4, 131072, 2048), _case(64, 131072, 2048),
+            _case(4096, 65536, 2048, causal=True)]

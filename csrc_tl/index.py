@@ -1,0 +1,924 @@
+"""TileLang kernels of the lightning indexer: FP8 quantization of index keys (plain, or scattered into the paged
+index-K cache), the gather of cached keys, and the two logits kernels (ragged prefill and paged decode).
+
+Letters: N keys (rows to quantize or store, or keys of the prefill), M gathered slots, T query tokens, R query rows
+of a paged batch, B requests, P pages, ``page`` tokens per page, W = max_pages * page, D the head dim (a multiple
+of 64), Hi indexer heads (1..128). Every count but D, Hi and ``page`` is a dynamic symbol: one compiled kernel
+serves every batch.
+
+The paged index-K cache is ``[P, page * (D + 4)]`` uint8: page p holds ``page * D`` float8_e4m3fn values token-major
+(slot ``s = p * page + o`` at byte ``o * D``), then ``page`` float32 scales (that of offset o at byte
+``page * D + 4 * o``). Quantization is per row: ``scale = max(amax |x|, 1e-4) / 448`` (``round_scale``: rounded up
+to a power of two, exactly), ``values = fp8(clamp(x / scale, -448, 448))`` with the IEEE float32 division and the
+round-to-nearest-even, saturating cast.
+
+Logits: ``logits[t, j] = k_scale[j] * sum_h w[t, h] * relu(q[t, h] . k[j])``, the dot of the FP8 (or bf16) values
+in float32, over each row's valid keys, -inf elsewhere. The work is a GEMM of a key block ``[64, D]`` (the tensor
+core's M) by a query block ``[BT * Hp, D]`` (its N; Hp the heads padded to a power of two, BT tokens so that
+BT * Hp = 128), whose accumulator each thread reduces over the heads it holds (a butterfly over the 4 lanes of a
+quad completes the sum). On sm_90 (``ws`` keys) the kernels are warp-specialized: a producer warp loads key blocks
+by TMA into shared stages, and the consumer warpgroups run FP8 wgmma and the epilogue; the prefill's two consumer
+warpgroups take alternate key blocks and order their GEMMs (ping-pong) so that one's epilogue runs under the other's
+GEMM. Other targets (and bf16 queries) run a portable kernel of the same tiling with ``T.gemm``.
+
+Nothing is read or written out of bounds for any index value: slots outside ``[0, P * page)`` are skipped by stores
+and give zeros (scale 0) in gathers; page-table entries outside ``[0, P)`` and positions at or past a row's length
+give -inf, and pages that hold no position before the length are not read (the warp-specialized decode loads a page
+that holds some whole, and masks the rest); key rows past N are zero-filled by the TMA unit (or not loaded) and
+never stored.
+"""
+
+import math
+from dataclasses import dataclass
+
+import tilelang.language as T
+
+__all__ = [
+    "FP8_MAX",
+    "SCALE_FLOOR",
+    "QuantIndexKey",
+    "GatherIndexKey",
+    "IndexLogitsKey",
+    "PagedLogitsKey",
+    "head_padding",
+    "default_split_pages",
+    "index_logits_key",
+    "paged_logits_key",
+    "ws_supported",
+    "paged_ws_supported",
+    "build_quant_index",
+    "build_gather_index_k",
+    "build_index_logits",
+    "build_paged_index_logits",
+    "pass_configs",
+]
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+SCALE_FLOOR = 1e-4  # amax floor of a row: an all-zero row gets scale 1e-4 / 448, never 0
+SCALE_BYTES = 4  # one float32 scale per cached token
+POW2_ROUND_UP = 0x7FFFFF  # added to a positive normal float32's bits, then masked: round up to 2^k
+EXPONENT_MASK = -0x800000  # 0xFF800000 as int32: sign and exponent bits
+SLOT_DTYPES = ("int32", "int64")
+Q_DTYPES = {"float8_e4m3fn": "fp8", "bfloat16": "bf16"}
+DIM_MULTIPLE = 64  # head dims: whole wgmma / MFMA K steps and 16-byte row chunks
+MAX_HEADS = 128
+
+# Cache kernels: a group of 32 lanes handles whole rows, VEC values a lane (one 16-byte bf16 load).
+THREADS = 128
+GROUP = 32
+VEC = 8
+QUANT_ROW_SETS = 2  # row sets a group loads before it quantizes any (their loads in flight together)
+GATHER_ROWS = 32  # rows per block of the gather
+
+# Logits kernels.
+BN = 64  # key rows per GEMM (one warpgroup's M)
+QN = 128  # query rows (tokens x padded heads) per GEMM: its N
+LOGITS_CHUNK = 16384  # key columns per prefill CTA (grid: token blocks x column chunks)
+WS_STAGES = 3  # shared key stages per consumer warpgroup of the prefill
+WS_NREG = (216, 72)  # setmaxnreg budgets of the prefill: consumer warpgroups, producer warpgroup (3 x 168 at launch)
+PAGED_SPLIT_TOKENS = 1024  # positions per decode CTA (at least): a 128K-token row spreads over 128 CTAs
+PAGED_STAGES = 4  # shared tile stages of the decode consumer
+PORTABLE_THREADS = 256
+
+
+def _pow2_at_least(x: int) -> int:
+    p = 1
+    while p < x:
+        p *= 2
+    return p
+
+
+def _lanes(dim: int) -> int:
+    """Lanes of a group that share a row of ``dim`` values, VEC each: the largest power of two dividing
+    ``dim / VEC``, at most 32 (a butterfly needs a power of two)."""
+    chunks = dim // VEC
+    return min(GROUP, chunks & -chunks)
+
+
+def _check_dim(dim: int) -> None:
+    assert isinstance(dim, int) and dim > 0 and dim % DIM_MULTIPLE == 0, (
+        f"head dim must be a positive multiple of {DIM_MULTIPLE} (16-byte chunks, whole GEMM K steps), got {dim}")
+
+
+def _check_page(page: int) -> None:
+    assert isinstance(page, int) and page > 0, f"page must be a positive number of tokens, got {page}"
+
+
+def _slot_suffix(slot_dtype: str) -> str:
+    return {"int32": "i32", "int64": "i64"}.get(slot_dtype, slot_dtype)
+
+
+def pass_configs(key) -> dict:
+    """TileLang pass configs of a kernel of this module: none (the quantization needs the IEEE division and the
+    logits no transcendental function, so nothing asks for fast math)."""
+    return {}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Quantization and the index-K cache.
+
+
+@dataclass(frozen=True)
+class QuantIndexKey:
+    """A quantizing kernel: ``quant_index`` (``page == 0``) or ``store_index_k`` into a cache of ``page`` tokens per
+    page, over rows of ``dim`` values; ``round_scale`` rounds each scale up to a power of two; ``slot_dtype`` is the
+    dtype of ``store_index_k``'s slot ids (unused by ``quant_index``)."""
+
+    dim: int
+    page: int = 0
+    round_scale: bool = False
+    slot_dtype: str = "int32"
+
+    @property
+    def name(self) -> str:
+        pow2 = "_pow2" if self.round_scale else ""
+        if self.page == 0:
+            return f"quant_index_d{self.dim}{pow2}"
+        return f"store_index_k_d{self.dim}_p{self.page}{pow2}_{_slot_suffix(self.slot_dtype)}"
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True)
+class GatherIndexKey:
+    """The gather of cached index keys: ``dim`` values a token, ``page`` tokens a page, slot ids of ``slot_dtype``."""
+
+    dim: int
+    page: int
+    slot_dtype: str = "int32"
+
+    @property
+    def name(self) -> str:
+        return f"gather_index_k_d{self.dim}_p{self.page}_{_slot_suffix(self.slot_dtype)}"
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def _store_width(page: int) -> int:
+    """Bytes a lane stores (or loads) at once inside a cache page: pages of ``page * (D + 4)`` bytes keep 16-byte
+    alignment for ``page`` a multiple of 4, 8 for an even ``page``, else 4 (D + 4 is a multiple of 4)."""
+    return 16 if page % 4 == 0 else 8 if page % 2 == 0 else 4
+
+
+def _amax(x, start: int, count: int):
+    """``max |x[start + i]|`` over ``i < count`` (a power of two) as a tree of pairwise maxima."""
+    if count == 1:
+        return T.abs(x[start])
+    return T.max(_amax(x, start, count // 2), _amax(x, start + count // 2, count // 2))
+
+
+@T.macro
+def _butterfly_max(acc, lanes: int):
+    """``acc[0]`` = its maximum over the aligned runs of ``lanes`` threads (a power of two up to 32)."""
+    for delta in tuple(lanes >> k for k in range(1, lanes.bit_length())):
+        acc[0] = T.max(acc[0], T.shfl_xor(acc[0], delta, GROUP))
+
+
+def _row_scale(amax, round_scale: bool):
+    """``max(amax, 1e-4) / 448`` (float32 division), rounded up to a power of two when ``round_scale`` (exact:
+    the scale is a positive normal float, at least 1e-4 / 448)."""
+    scale = T.max(amax, T.float32(SCALE_FLOOR)) / T.float32(FP8_MAX)
+    if round_scale:
+        scale = T.reinterpret((T.reinterpret(scale, T.int32) + POW2_ROUND_UP) & EXPONENT_MASK, T.float32)
+    return scale
+
+
+def build_quant_index(key: QuantIndexKey):
+    """Quantize rows of ``dim`` bf16 values to FP8 with one float32 scale a row.
+
+    ``page == 0`` (``quant_index``), called as ``fn(x, values, scale)``:
+
+    - ``x`` : ``[N, D]`` bfloat16, contiguous
+    - ``values`` : ``[N, D]`` float8_e4m3fn, written
+    - ``scale`` : ``[N]`` float32, written
+
+    ``page > 0`` (``store_index_k``), called as ``fn(k, loc, cache)``:
+
+    - ``k`` : ``[N, D]`` bfloat16, contiguous
+    - ``loc`` : ``[N]`` ``slot_dtype`` (int32 or int64), slot ids; ids outside ``[0, P * page)`` are skipped
+    - ``cache`` : ``[P, page * (D + 4)]`` uint8, 16-byte aligned; row i goes to slot ``loc[i]`` (its values and
+      its scale), and no other byte changes
+
+    A group of 32 lanes quantizes ``32 / lanes`` rows at once (``lanes``: VEC = 8 values a lane, one 16-byte load),
+    two such sets before it computes on any, so that their loads are in flight together; the row's amax is a
+    butterfly among its lanes. Grid: ``ceil(N / rows_per_block)``.
+    """
+    dim, page, round_scale, slot_dtype = key.dim, key.page, key.round_scale, key.slot_dtype
+    _check_dim(dim)
+    assert isinstance(page, int) and page >= 0, f"page must be 0 (quant_index) or a positive count, got {page}"
+    assert slot_dtype in SLOT_DTYPES, f"slot ids are int32 or int64, got {slot_dtype}"
+    lanes = _lanes(dim)
+    passes = dim // (lanes * VEC)  # VEC-value chunks a lane takes of its row
+    rows_per_set = GROUP // lanes  # rows a group quantizes at once
+    sets = QUANT_ROW_SETS
+    rows_per_block = (THREADS // GROUP) * rows_per_set * sets
+    per_lane = passes * VEC
+    scatter = page > 0
+    row_bytes = page * (dim + SCALE_BYTES)  # bytes of one cache page
+    sw = _store_width(page) if scatter else VEC  # FP8 bytes stored at once (alignment inside a page)
+    scale_word = page * dim // SCALE_BYTES  # float32 index of a page's first scale
+    n = T.dynamic("n")
+    p_count = T.dynamic("p")
+
+    @T.macro
+    def quantize(x, loc, values, scale, cache):
+        with T.Kernel(T.ceildiv(n, rows_per_block), threads=THREADS) as bx:
+            if scatter:
+                vals = T.view(cache, (p_count, row_bytes), T.float8_e4m3fn)
+                scales = T.view(cache, (p_count, row_bytes // SCALE_BYTES), T.float32)
+            tx = T.get_thread_binding()
+            lane = tx % GROUP
+            sub = lane % lanes  # this lane's place in its row
+            xs = T.alloc_local((sets * per_lane,), T.float32)
+            slots = T.alloc_local((sets,), T.int64)
+            qv = T.alloc_local((VEC,), T.float8_e4m3fn)
+            sc = T.alloc_local((1,), T.float32)
+            # every load of the group's rows first, so that they are in flight together
+            for s in T.unroll(sets):
+                row = ((bx * (THREADS // GROUP) + tx // GROUP) * sets + s) * rows_per_set + lane // lanes
+                src = T.min(row, n - 1)  # (rows past n load row n - 1 and store nothing)
+                if scatter:
+                    slots[s] = T.if_then_else(row < n, T.cast(loc[src], T.int64), T.int64(-1))
+                else:
+                    slots[s] = T.if_then_else(row < n, T.cast(row, T.int64), T.int64(-1))
+                for p in T.unroll(passes):
+                    for v in T.vectorized(VEC):
+                        xs[s * per_lane + p * VEC + v] = T.cast(x[src, (p * lanes + sub) * VEC + v], T.float32)
+            for s in T.unroll(sets):
+                slot = slots[s]
+                sc[0] = _amax(xs, s * per_lane, per_lane)
+                _butterfly_max(sc, lanes)
+                sc[0] = _row_scale(sc[0], round_scale)
+                limit = T.cast(p_count, T.int64) * page if scatter else T.cast(n, T.int64)
+                if slot >= 0 and slot < limit:
+                    for p in T.unroll(passes):
+                        col = (p * lanes + sub) * VEC
+                        for v in T.vectorized(VEC):
+                            qv[v] = T.cast(T.clamp(xs[s * per_lane + p * VEC + v] / sc[0], -FP8_MAX, FP8_MAX),
+                                           T.float8_e4m3fn)
+                        if scatter:
+                            pg = slot // page
+                            off = slot % page
+                            for h in T.unroll(VEC // sw if sw < VEC else 1):
+                                for v in T.vectorized(min(sw, VEC)):
+                                    vals[pg, off * dim + col + h * sw + v] = qv[h * sw + v]
+                        else:
+                            for v in T.vectorized(VEC):
+                                values[slot, col + v] = qv[v]
+                    if sub == 0:
+                        if scatter:
+                            scales[slot // page, scale_word + slot % page] = sc[0]
+                        else:
+                            scale[slot] = sc[0]
+
+    x_t = T.Tensor((n, dim), T.bfloat16)
+    if scatter:
+
+        @T.prim_func
+        def store_index_k(k: x_t, loc: T.Tensor((n,), slot_dtype), cache: T.Tensor((p_count, row_bytes), T.uint8)):
+            quantize(k, loc, None, None, cache)
+
+        return store_index_k
+
+    @T.prim_func
+    def quant_index(x: x_t, values: T.Tensor((n, dim), T.float8_e4m3fn), scale: T.Tensor((n,), T.float32)):
+        quantize(x, None, values, scale, None)
+
+    return quant_index
+
+
+def build_gather_index_k(key: GatherIndexKey):
+    """Gather cached index keys, called as ``fn(cache, indices, values, scale)``:
+
+    - ``cache`` : ``[P, page * (D + 4)]`` uint8, 16-byte aligned
+    - ``indices`` : ``[M]`` ``slot_dtype`` (int32 or int64), slot ids
+    - ``values`` : ``[M, D]`` float8_e4m3fn, written: the FP8 bytes of slot ``indices[i]``, zeros for an id outside
+      ``[0, P * page)`` (which is not dereferenced)
+    - ``scale`` : ``[M]`` float32, written: the slot's scale, 0 for an invalid id
+
+    Threads take consecutive chunks of rows (:func:`_store_width` bytes each, 16 for pages of a multiple of 4
+    tokens), the last chunk of a row being its 4-byte scale. Grid: ``ceil(M / 32)``.
+    """
+    dim, page, slot_dtype = key.dim, key.page, key.slot_dtype
+    _check_dim(dim)
+    _check_page(page)
+    assert slot_dtype in SLOT_DTYPES, f"slot ids are int32 or int64, got {slot_dtype}"
+    cb = _store_width(page)
+    chunks = dim // cb  # value chunks of a row; item `chunks` of a row is its scale
+    items = GATHER_ROWS * (chunks + 1)
+    steps = -(-items // THREADS)
+    row_bytes = page * (dim + SCALE_BYTES)
+    scale_word = page * dim // SCALE_BYTES
+    m = T.dynamic("m")
+    p_count = T.dynamic("p")
+
+    @T.prim_func
+    def gather_index_k(cache: T.Tensor((p_count, row_bytes), T.uint8), indices: T.Tensor((m,), slot_dtype),
+                       values: T.Tensor((m, dim), T.float8_e4m3fn), scale: T.Tensor((m,), T.float32)):
+        with T.Kernel(T.ceildiv(m, GATHER_ROWS), threads=THREADS) as bx:
+            vals = T.view(cache, (p_count, row_bytes), T.float8_e4m3fn)
+            scales = T.view(cache, (p_count, row_bytes // SCALE_BYTES), T.float32)
+            tx = T.get_thread_binding()
+            buf = T.alloc_local((cb,), T.float8_e4m3fn)
+            slot_v = T.alloc_local((1,), T.int64)
+            for st in T.unroll(steps):
+                item = st * THREADS + tx
+                row = bx * GATHER_ROWS + item // (chunks + 1)
+                part = item % (chunks + 1)
+                if item < items and row < m:
+                    slot_v[0] = T.cast(indices[row], T.int64)
+                    slot = slot_v[0]
+                    ok = (slot >= 0) & (slot < T.cast(p_count, T.int64) * page)
+                    if part < chunks:
+                        if ok:
+                            for v in T.vectorized(cb):
+                                buf[v] = vals[slot // page, (slot % page) * dim + part * cb + v]
+                        else:
+                            for v in T.vectorized(cb):
+                                buf[v] = T.cast(0, T.float8_e4m3fn)
+                        for v in T.vectorized(cb):
+                            values[row, part * cb + v] = buf[v]
+                    else:
+                        if ok:
+                            scale[row] = scales[slot // page, scale_word + slot % page]
+                        else:
+                            scale[row] = T.float32(0)
+
+    return gather_index_k
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Logits.
+
+
+@dataclass(frozen=True)
+class IndexLogitsKey:
+    """The ragged prefill logits kernel: head dim ``dim``, ``heads`` indexer heads, queries of ``q_dtype``
+    ("float8_e4m3fn" or "bfloat16"); ``ws`` picks the warp-specialized sm_90 kernel (FP8 queries only)."""
+
+    dim: int
+    heads: int
+    q_dtype: str = "float8_e4m3fn"
+    ws: bool = True
+
+    @property
+    def name(self) -> str:
+        q = Q_DTYPES.get(self.q_dtype, self.q_dtype)
+        return f"index_logits_d{self.dim}_h{self.heads}_q{q}{'_ws' if self.ws else ''}"
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True)
+class PagedLogitsKey:
+    """The paged decode logits kernel: head dim ``dim``, ``heads`` indexer heads, ``page`` tokens per cache page,
+    queries of ``q_dtype``; ``ws`` picks the warp-specialized sm_90 kernel; each CTA takes ``split_pages`` pages
+    of one row (0: :func:`default_split_pages`)."""
+
+    dim: int
+    heads: int
+    page: int
+    q_dtype: str = "float8_e4m3fn"
+    ws: bool = True
+    split_pages: int = 0
+
+    @property
+    def pages_per_cta(self) -> int:
+        return self.split_pages or default_split_pages(self.page)
+
+    @property
+    def name(self) -> str:
+        return (f"paged_index_logits_d{self.dim}_h{self.heads}_p{self.page}_q{Q_DTYPES.get(self.q_dtype, self.q_dtype)}"
+                f"{'_ws' if self.ws else ''}_s{self.pages_per_cta}")
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def default_split_pages(page: int) -> int:
+    """Pages a decode CTA takes by default: the fewest whole 64-row tiles that hold at least PAGED_SPLIT_TOKENS
+    positions (16 pages of 64 tokens: a 128K-token row spreads over 128 CTAs)."""
+    unit = BN // math.gcd(page, BN)  # pages of the smallest whole number of tiles
+    return unit * max(1, -(-PAGED_SPLIT_TOKENS // (unit * page)))
+
+
+def head_padding(heads: int) -> tuple[int, int]:
+    """``(hp, bt)``: the heads padded to a power of two, and the tokens of a query block (``bt * hp = 128``)."""
+    hp = _pow2_at_least(heads)
+    return hp, max(1, QN // hp)
+
+
+def ws_supported(dim: int, heads: int, q_dtype: str) -> bool:
+    """Whether the warp-specialized prefill kernel takes this geometry: FP8 queries, and key rows the TMA unit
+    moves in one box (at most 256 bytes)."""
+    return q_dtype == "float8_e4m3fn" and dim % DIM_MULTIPLE == 0 and dim <= 256 and 1 <= heads <= MAX_HEADS
+
+
+def paged_ws_supported(dim: int, heads: int, page: int, q_dtype: str) -> bool:
+    """Whether the warp-specialized decode kernel takes this geometry: FP8 queries, TMA boxes of at most 256 bytes a
+    row, pages of a multiple of 4 tokens (16-byte aligned pages) that divide 64 or are a multiple of it (whole
+    pages or whole 64-row tiles a GEMM)."""
+    fits = page % 4 == 0 and (BN % page == 0 or page % BN == 0)
+    return ws_supported(dim, heads, q_dtype) and fits
+
+
+def index_logits_key(dim: int, heads: int, q_dtype: str, target: str) -> IndexLogitsKey:
+    """The prefill kernel for ``target`` ("cuda" = sm_90, or "hip"): warp-specialized where supported."""
+    return IndexLogitsKey(dim, heads, q_dtype, ws=target == "cuda" and ws_supported(dim, heads, q_dtype))
+
+
+def paged_logits_key(dim: int, heads: int, page: int, q_dtype: str, target: str) -> PagedLogitsKey:
+    """The decode kernel for ``target`` ("cuda" = sm_90, or "hip"): warp-specialized where supported."""
+    return PagedLogitsKey(dim, heads, page, q_dtype, ws=target == "cuda" and paged_ws_supported(dim, heads, page,
+                                                                                                q_dtype))
+
+
+def _check_logits_key(dim: int, heads: int, q_dtype: str) -> None:
+    _check_dim(dim)
+    assert isinstance(heads, int) and 1 <= heads <= MAX_HEADS, f"heads must be in 1..{MAX_HEADS}, got {heads}"
+    assert q_dtype in Q_DTYPES, f"queries are float8_e4m3fn or bfloat16, got {q_dtype}"
+
+
+@T.macro
+def _token_bounds(ks, ke, t0, c0, c1, t_count, bt, tok_lo, tok_hi, rng):
+    """Each token's key range within the columns ``[c0, c1)`` of this CTA into the shared ``tok_lo / tok_hi [bt]``
+    (``max(ks, 0, c0)`` and ``min(ke, c1)``; an empty range for a token past T), then in every thread
+    ``rng [4]``: the union ``[rng[0], rng[1])`` of the non-empty ranges (``rng[0] >= rng[1]`` when there is none) and
+    the intersection ``[rng[2], rng[3])`` of the ranges of the tokens that exist."""
+    tx = T.get_thread_binding()
+    if tx < bt:
+        t = T.min(t0 + tx, t_count - 1)
+        tok_lo[tx] = T.if_then_else(t0 + tx < t_count, T.max(T.max(ks[t], 0), c0), c1)
+        tok_hi[tx] = T.if_then_else(t0 + tx < t_count, T.min(ke[t], c1), c0)
+    rng[0] = c1
+    rng[1] = c0
+    rng[2] = c0
+    rng[3] = c1
+    for i in T.unroll(bt):
+        if tok_lo[i] < tok_hi[i]:
+            rng[0] = T.min(rng[0], tok_lo[i])
+            rng[1] = T.max(rng[1], tok_hi[i])
+        if t0 + i < t_count:
+            rng[2] = T.max(rng[2], tok_lo[i])
+            rng[3] = T.min(rng[3], tok_hi[i])
+
+
+@T.macro
+def _relu_weigh_reduce(acc, w, lg, bt: int, hp: int):
+    """``lg [BN, bt] = sum_h w[t, h] * relu(acc [BN, bt * hp])``: each thread over the heads it holds, then a
+    butterfly over the lanes that share a row."""
+    acc3 = T.reshape(acc, (BN, bt, hp))
+    for j, i, h in T.Parallel(BN, bt, hp):
+        acc3[j, i, h] = T.max(acc3[j, i, h], 0) * w[i, h]
+    T.reduce_sum(acc3, lg, dim=2)
+
+
+@T.macro
+def _store_block(logits, lg, sc, tok_lo, tok_hi, rng, t0, j0, c1, t_count, bt: int):
+    """Write one key block's logits ``lg [BN, bt] * sc [BN]`` at columns ``j0 + j`` of tokens ``t0 + i``: where the
+    block lies inside every token's range (``rng[2:4]``) without per-column masks, else -inf outside each token's
+    ``[tok_lo, tok_hi)``; nothing at or past ``c1`` or T."""
+    if j0 >= rng[2] and j0 + BN <= rng[3]:
+        for j, i in T.Parallel(BN, bt):
+            if t0 + i < t_count:
+                logits[t0 + i, j0 + j] = lg[j, i] * sc[j]
+    else:
+        for j, i in T.Parallel(BN, bt):
+            if t0 + i < t_count and j0 + j < c1:
+                logits[t0 + i, j0 + j] = T.if_then_else((j0 + j >= tok_lo[i]) & (j0 + j < tok_hi[i]),
+                                                        lg[j, i] * sc[j], -T.infinity(T.float32))
+
+
+@T.macro
+def _fill_outside(logits, t0, c0, c1, b0, nb, t_count, lane, lanes: int, bt: int):
+    """-inf into this CTA's columns ``[c0, c1)`` outside the GEMM range ``[b0 * 64, (b0 + nb) * 64)`` (all of them
+    when ``nb == 0``) for each of its tokens, by ``lanes`` threads (``lane`` is this one's place)."""
+    edge = T.alloc_local((2,), T.int32)
+    edge[0] = T.if_then_else(nb > 0, b0 * BN, c1)
+    edge[1] = T.if_then_else(nb > 0, T.min((b0 + nb) * BN, c1), c1)
+    gs = edge[0]
+    ge = edge[1]
+    for i in T.serial(bt):
+        if t0 + i < t_count:
+            for c in T.serial(T.ceildiv(gs - c0, lanes)):
+                if c0 + c * lanes + lane < gs:
+                    logits[t0 + i, c0 + c * lanes + lane] = -T.infinity(T.float32)
+            for c in T.serial(T.ceildiv(c1 - ge, lanes)):
+                if ge + c * lanes + lane < c1:
+                    logits[t0 + i, ge + c * lanes + lane] = -T.infinity(T.float32)
+
+
+def build_index_logits(key: IndexLogitsKey):
+    """The ragged prefill logits, called as ``fn(q, k, k_scale, weights, ks, ke, logits)``:
+
+    - ``q`` : ``[T, Hi, D]`` ``q_dtype`` (float8_e4m3fn or bfloat16), contiguous
+    - ``k`` : ``[N, D]`` float8_e4m3fn, contiguous, 16-byte aligned
+    - ``k_scale`` : ``[N]`` float32, 16-byte aligned
+    - ``weights`` : ``[T, Hi]`` float32
+    - ``ks``, ``ke`` : ``[T]`` int32, any values
+    - ``logits`` : ``[T, N]`` float32, written whole: ``k_scale[j] * sum_h weights[t, h] * relu(q[t, h] . k[j])``
+      for ``max(ks[t], 0) <= j < min(ke[t], N)``, -inf elsewhere
+
+    Grid: ``(ceil(T / bt), ceil(N / 16384))`` (:func:`head_padding`): a CTA takes ``bt`` tokens and 16384 key
+    columns, runs the GEMMs over the key blocks of the union of its tokens' ranges and writes -inf elsewhere
+    without a GEMM.
+    """
+    _check_logits_key(key.dim, key.heads, key.q_dtype)
+    if key.ws:
+        assert ws_supported(key.dim, key.heads, key.q_dtype), f"{key.name}: no warp-specialized kernel for it"
+        return _build_logits_ws(key)
+    return _build_logits_portable(key)
+
+
+def _build_logits_ws(key: IndexLogitsKey):
+    """Warp-specialized prefill (sm_90). Warpgroups 0 and 1 consume alternate key blocks of 64 rows (blocks 0, 2,
+    ... and 1, 3, ...), each from its own ``WS_STAGES`` shared stages; warpgroup 2 is the producer: its threads
+    stage the query block (zero rows for padded heads and tokens past T), its first warp loads the key blocks and
+    their scales by TMA (rows past N zero-filled), its other three write -inf outside the GEMM range. The consumers
+    order their GEMMs: warpgroup 0's i-th after warpgroup 1's (i-1)-th is issued, warpgroup 1's i-th after
+    warpgroup 0's i-th, so that each one's epilogue (relu, weights, the sum over heads, stores) overlaps the
+    other's GEMM."""
+    dim, heads = key.dim, key.heads
+    hp, bt = head_padding(heads)
+    stages, chunk = WS_STAGES, LOGITS_CHUNK
+    fill_lanes = 96  # the producer's warps 1-3
+    q_chunks = QN * dim // 16  # 16-byte chunks of the query block
+    assert q_chunks % 128 == 0, "the producer warpgroup stages the query block in whole 16-byte chunks"
+    t_count, n_count = T.dynamic("t"), T.dynamic("n")
+
+    @T.macro
+    def consume(g, k_s, sc_s, full, empty, turn, q_ready, q_s, acc, lg, w, sc, weights, logits, tok_lo, tok_hi,
+                rng, t0, c1, b0, nb):
+        for i, h in T.Parallel(bt, hp):
+            w[i, h] = T.if_then_else((h < heads) & (t0 + i < t_count),
+                                     weights[T.min(t0 + i, t_count - 1), T.min(h, heads - 1)], 0.0)
+        T.barrier_wait(q_ready, 0)
+        for it in T.serial((nb - g + 1) // 2):
+            s = it % stages
+            T.barrier_wait(full[s], (it // stages) & 1)
+            if g == 1:
+                T.barrier_wait(turn[1], it & 1)
+            elif it > 0:
+                T.barrier_wait(turn[0], (it - 1) & 1)
+            T.wgmma_gemm(k_s[s, :, :], q_s, acc, transpose_B=True, clear_accum=True)
+            T.barrier_arrive(turn[1 - g])
+            T.wait_wgmma(0)
+            for j in T.Parallel(BN):
+                sc[j] = sc_s[s, j]
+            T.barrier_arrive(empty[s])
+            _relu_weigh_reduce(acc, w, lg, bt, hp)
+            _store_block(logits, lg, sc, tok_lo, tok_hi, rng, t0, (b0 + 2 * it + g) * BN, c1, t_count, bt)
+
+    @T.prim_func
+    def index_logits(q: T.Tensor((t_count, heads, dim), T.float8_e4m3fn), k: T.Tensor((n_count, dim), T.float8_e4m3fn),
+                     k_scale: T.Tensor((n_count,), T.float32), weights: T.Tensor((t_count, heads), T.float32),
+                     ks: T.Tensor((t_count,), T.int32), ke: T.Tensor((t_count,), T.int32),
+                     logits: T.Tensor((t_count, n_count), T.float32)):
+        with T.Kernel(T.ceildiv(t_count, bt), T.ceildiv(n_count, chunk), threads=384) as (bx, by):
+            q_s = T.alloc_shared((QN, dim), T.float8_e4m3fn)
+            k_s0 = T.alloc_shared((stages, BN, dim), T.float8_e4m3fn)
+            k_s1 = T.alloc_shared((stages, BN, dim), T.float8_e4m3fn)
+            sc_s0 = T.alloc_shared((stages, BN), T.float32)
+            sc_s1 = T.alloc_shared((stages, BN), T.float32)
+            tok_lo = T.alloc_shared((bt,), T.int32)
+            tok_hi = T.alloc_shared((bt,), T.int32)
+            full0 = T.alloc_barrier([32] * stages)  # the producer warp's lanes (and the TMA bytes)
+            full1 = T.alloc_barrier([32] * stages)
+            empty0 = T.alloc_barrier([128] * stages)
+            empty1 = T.alloc_barrier([128] * stages)
+            turn = T.alloc_barrier([128, 128])  # turn[g]: warpgroup g may issue its next GEMM
+            q_ready = T.alloc_barrier(128)
+            acc0 = T.alloc_fragment((BN, QN), T.float32)
+            acc1 = T.alloc_fragment((BN, QN), T.float32)
+            lg0 = T.alloc_fragment((BN, bt), T.float32)
+            lg1 = T.alloc_fragment((BN, bt), T.float32)
+            w0 = T.alloc_fragment((bt, hp), T.float32)
+            w1 = T.alloc_fragment((bt, hp), T.float32)
+            sc0 = T.alloc_fragment((BN,), T.float32)
+            sc1 = T.alloc_fragment((BN,), T.float32)
+            rng = T.alloc_local((4,), T.int32)
+            t0 = bx * bt
+            c0 = by * chunk
+            c1 = T.min(c0 + chunk, n_count)
+            _token_bounds(ks, ke, t0, c0, c1, t_count, bt, tok_lo, tok_hi, rng)
+            b0 = rng[0] // BN
+            nb = T.if_then_else(rng[0] < rng[1], T.ceildiv(rng[1], BN) - b0, 0)
+            tx = T.get_thread_binding()
+            if tx >= 256:
+                T.set_max_nreg(WS_NREG[1], 0)
+                ptx = tx - 256
+                for it in T.serial(q_chunks // 128):
+                    r = (it * 128 + ptx) // (dim // 16)
+                    col = (it * 128 + ptx) % (dim // 16) * 16
+                    ok = (r % hp < heads) & (t0 + r // hp < t_count)
+                    for v in T.vectorized(16):
+                        q_s[r, col + v] = T.if_then_else(
+                            ok, q[T.min(t0 + r // hp, t_count - 1), T.min(r % hp, heads - 1), col + v],
+                            T.cast(0, T.float8_e4m3fn))
+                T.fence_proxy_async()  # generic stores, read by wgmma through the async proxy
+                T.barrier_arrive(q_ready)
+                if ptx < 32:
+                    for i in T.serial(nb):
+                        it = i // 2
+                        s = it % stages
+                        j0 = (b0 + i) * BN
+                        if i % 2 == 0:
+                            T.barrier_wait(empty0[s], ((it // stages) & 1) ^ 1)
+                            T.tma_copy(k[j0:j0 + BN, :], k_s0[s, :, :], barrier=full0[s])
+                            T.tma_copy(k_scale[j0:j0 + BN], sc_s0[s, :], barrier=full0[s])
+                            T.barrier_arrive(full0[s])
+                        else:
+                            T.barrier_wait(empty1[s], ((it // stages) & 1) ^ 1)
+                            T.tma_copy(k[j0:j0 + BN, :], k_s1[s, :, :], barrier=full1[s])
+                            T.tma_copy(k_scale[j0:j0 + BN], sc_s1[s, :], barrier=full1[s])
+                            T.barrier_arrive(full1[s])
+                else:
+                    _fill_outside(logits, t0, c0, c1, b0, nb, t_count, ptx - 32, fill_lanes, bt)
+            elif tx < 128:
+                T.set_max_nreg(WS_NREG[0], 1)
+                consume(0, k_s0, sc_s0, full0, empty0, turn, q_ready, q_s, acc0, lg0, w0, sc0, weights, logits,
+                        tok_lo, tok_hi, rng, t0, c1, b0, nb)
+            else:
+                T.set_max_nreg(WS_NREG[0], 1)
+                consume(1, k_s1, sc_s1, full1, empty1, turn, q_ready, q_s, acc1, lg1, w1, sc1, weights, logits,
+                        tok_lo, tok_hi, rng, t0, c1, b0, nb)
+
+    return index_logits
+
+
+def _build_logits_portable(key: IndexLogitsKey):
+    """Portable prefill (HIP, and bf16 queries on CUDA): the tiling of the warp-specialized kernel, one key block of
+    64 rows after another with ``T.gemm`` (FP8 x FP8, or bf16 x bf16 with the keys widened on their way into shared
+    memory: every e4m3 value is a bf16 value), all threads writing -inf outside the GEMM range first."""
+    dim, heads = key.dim, key.heads
+    hp, bt = head_padding(heads)
+    dtype = T.float8_e4m3fn if key.q_dtype == "float8_e4m3fn" else T.bfloat16
+    chunk, threads = LOGITS_CHUNK, PORTABLE_THREADS
+    t_count, n_count = T.dynamic("t"), T.dynamic("n")
+
+    @T.prim_func
+    def index_logits(q: T.Tensor((t_count, heads, dim), dtype), k: T.Tensor((n_count, dim), T.float8_e4m3fn),
+                     k_scale: T.Tensor((n_count,), T.float32), weights: T.Tensor((t_count, heads), T.float32),
+                     ks: T.Tensor((t_count,), T.int32), ke: T.Tensor((t_count,), T.int32),
+                     logits: T.Tensor((t_count, n_count), T.float32)):
+        with T.Kernel(T.ceildiv(t_count, bt), T.ceildiv(n_count, chunk), threads=threads) as (bx, by):
+            q_s = T.alloc_shared((QN, dim), dtype)
+            k_s = T.alloc_shared((BN, dim), dtype)
+            tok_lo = T.alloc_shared((bt,), T.int32)
+            tok_hi = T.alloc_shared((bt,), T.int32)
+            acc = T.alloc_fragment((BN, QN), T.float32)
+            lg = T.alloc_fragment((BN, bt), T.float32)
+            w = T.alloc_fragment((bt, hp), T.float32)
+            sc = T.alloc_fragment((BN,), T.float32)
+            rng = T.alloc_local((4,), T.int32)
+            t0 = bx * bt
+            c0 = by * chunk
+            c1 = T.min(c0 + chunk, n_count)
+            _token_bounds(ks, ke, t0, c0, c1, t_count, bt, tok_lo, tok_hi, rng)
+            b0 = rng[0] // BN
+            nb = T.if_then_else(rng[0] < rng[1], T.ceildiv(rng[1], BN) - b0, 0)
+            tx = T.get_thread_binding()
+            _fill_outside(logits, t0, c0, c1, b0, nb, t_count, tx, threads, bt)
+            for r, d in T.Parallel(QN, dim):
+                q_s[r, d] = T.if_then_else((r % hp < heads) & (t0 + r // hp < t_count),
+                                           q[T.min(t0 + r // hp, t_count - 1), T.min(r % hp, heads - 1), d],
+                                           T.cast(0, dtype))
+            for i, h in T.Parallel(bt, hp):
+                w[i, h] = T.if_then_else((h < heads) & (t0 + i < t_count),
+                                         weights[T.min(t0 + i, t_count - 1), T.min(h, heads - 1)], 0.0)
+            for blk in T.serial(nb):
+                j0 = (b0 + blk) * BN
+                T.copy(k[j0:j0 + BN, :], k_s)
+                for j in T.Parallel(BN):
+                    sc[j] = T.if_then_else(j0 + j < n_count, k_scale[T.min(j0 + j, n_count - 1)], 0.0)
+                T.gemm(k_s, q_s, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                _relu_weigh_reduce(acc, w, lg, bt, hp)
+                _store_block(logits, lg, sc, tok_lo, tok_hi, rng, t0, j0, c1, t_count, bt)
+
+    return index_logits
+
+
+def _paged_geometry(key: PagedLogitsKey) -> tuple[int, int, int, int]:
+    """``(hp, tiles, ppt, row_bytes)`` of a decode kernel: the heads padded to a power of two of at least 8 (the
+    GEMM's N), the 64-row tiles of a CTA, the pages a tile holds (``64 / page``, or 1 for pages of 64 tokens or
+    more) and the bytes of a cache page."""
+    _check_logits_key(key.dim, key.heads, key.q_dtype)
+    _check_page(key.page)
+    split = key.pages_per_cta
+    assert split > 0 and split * key.page % BN == 0, (
+        f"a CTA's {split} pages of {key.page} tokens must be whole 64-row tiles")
+    # the GEMM's N: wgmma takes multiples of 8, the portable kernels' MMA tiles (HIP's MFMA) 16
+    hp = max(8 if key.ws else 16, _pow2_at_least(key.heads))
+    ppt = BN // key.page if key.page < BN else 1
+    return hp, split * key.page // BN, ppt, key.page * (key.dim + SCALE_BYTES)
+
+
+def build_paged_index_logits(key: PagedLogitsKey):
+    """The paged decode logits, called as ``fn(q, cache, weights, lengths, page_table, logits)``:
+
+    - ``q`` : ``[R, Hi, D]`` ``q_dtype`` (float8_e4m3fn or bfloat16), contiguous; row r belongs to request
+      ``b = r // (R / B)``
+    - ``cache`` : ``[P, page * (D + 4)]`` uint8, 16-byte aligned
+    - ``weights`` : ``[R, Hi]`` float32
+    - ``lengths`` : ``[R]`` int32: row r sees positions ``0 <= p < lengths[r]`` (clamped into ``[0, W]``)
+    - ``page_table`` : ``[B, max_pages]`` int32, contiguous; position p of request b is the slot
+      ``page_table[b, p // page] * page + p % page``
+    - ``logits`` : ``[R, W]`` float32 with ``W = max_pages * page``, written whole:
+      ``k_scale(slot) * sum_h weights[r, h] * relu(q[r, h] . k(slot))``, -inf at positions at or past the row's
+      length and where the page-table entry is outside ``[0, P)`` (those pages are not read)
+
+    Grid: ``(R, ceil(max_pages / split_pages))``: a CTA takes ``split_pages`` pages of one row, as 64-row tiles
+    (several pages a tile when ``page < 64``); tiles past the row's length are written -inf without a load.
+    """
+    if key.ws:
+        assert paged_ws_supported(key.dim, key.heads, key.page, key.q_dtype), f"{key.name}: no warp-specialized kernel"
+        return _build_paged_ws(key)
+    return _build_paged_portable(key)
+
+
+@T.macro
+def _paged_row(r, r_count, b_count, lengths, w_len, by, split_tokens, row):
+    """``row [4]`` of CTA ``(r, by)``: its request, the row's length clamped into ``[0, W]``, its first position,
+    and its tiles that start before the length (the others are -inf only)."""
+    n_per = T.max(r_count // T.max(b_count, 1), 1)  # rows per request
+    row[0] = T.min(r // n_per, b_count - 1)
+    row[1] = T.min(T.max(lengths[r], 0), w_len)
+    row[2] = by * split_tokens
+    row[3] = T.min(T.max(T.ceildiv(row[1] - row[2], BN), 0), split_tokens // BN)
+
+
+def _build_paged_ws(key: PagedLogitsKey):
+    """Warp-specialized decode (sm_90): warpgroup 0 consumes 64-row tiles from ``PAGED_STAGES`` shared stages (FP8
+    wgmma, then relu, weights, the sum over heads and the stores), one producer warp loads each tile's pages and
+    their scales by TMA (a page-table entry outside ``[0, P)`` or a page past the length loads nothing, and its
+    rows are written -inf) and flags the pages it loaded. 160 threads and no register reallocation, so that
+    several CTAs share an SM and keep more loads in flight."""
+    dim, heads, page = key.dim, key.heads, key.page
+    hp, tiles, ppt, row_bytes = _paged_geometry(key)
+    stages = PAGED_STAGES
+    sub_rows = min(page, BN)  # rows of one TMA copy: a page, or a 64-row part of one
+    scale_word = page * dim // SCALE_BYTES
+    q_chunks = hp * dim // 16
+    split = key.pages_per_cta
+    split_tokens = split * page
+    r_count, b_count, p_count, max_pages = T.dynamic("r"), T.dynamic("b"), T.dynamic("p"), T.dynamic("max_pages")
+    w_len = max_pages * page
+
+    @T.prim_func
+    def paged_index_logits(q: T.Tensor((r_count, heads, dim), T.float8_e4m3fn),
+                           cache: T.Tensor((p_count, row_bytes), T.uint8),
+                           weights: T.Tensor((r_count, heads), T.float32), lengths: T.Tensor((r_count,), T.int32),
+                           page_table: T.Tensor((b_count, max_pages), T.int32),
+                           logits: T.Tensor((r_count, w_len), T.float32)):
+        with T.Kernel(r_count, T.ceildiv(max_pages, key.pages_per_cta), threads=160) as (bx, by):
+            # the FP8 values of each page as [page, D] rows, pages row_bytes apart (the scales lie between them)
+            vals = T.StridedTensor((p_count, page, dim), (row_bytes, dim, 1), T.float8_e4m3fn, data=cache.data)
+            scales = T.view(cache, (p_count, row_bytes // SCALE_BYTES), T.float32)
+            q_s = T.alloc_shared((hp, dim), T.float8_e4m3fn)
+            k_s = T.alloc_shared((stages, BN, dim), T.float8_e4m3fn)
+            sc_s = T.alloc_shared((stages, BN), T.float32)
+            ok_s = T.alloc_shared((stages, ppt), T.int32)  # which pages of a stage's tile were loaded
+            ent_s = T.alloc_shared((split,), T.int32)  # the CTA's page-table entries
+            full = T.alloc_barrier([32] * stages)
+            empty = T.alloc_barrier([128] * stages)
+            q_ready = T.alloc_barrier(128)
+            acc = T.alloc_fragment((BN, hp), T.float32)
+            lg = T.alloc_fragment((BN, 1), T.float32)
+            w = T.alloc_fragment((1, hp), T.float32)
+            sc = T.alloc_fragment((BN,), T.float32)
+            row = T.alloc_local((4,), T.int32)
+            ent = T.alloc_local((1,), T.int32)
+            _paged_row(bx, r_count, b_count, lengths, w_len, by, split_tokens, row)
+            tx = T.get_thread_binding()
+            if tx >= 128:
+                # the CTA's page-table entries first, all at once (-1 past max_pages): read one by one inside the
+                # loop, each load's latency would stall the next TMA issue
+                for c in T.serial(T.ceildiv(split, 32)):
+                    if c * 32 + tx - 128 < split:
+                        pg = by * split + c * 32 + tx - 128
+                        ent_s[c * 32 + tx - 128] = T.if_then_else(
+                            pg < max_pages, page_table[row[0], T.min(pg, max_pages - 1)], -1)
+                for ti in T.serial(row[3]):
+                    s = ti % stages
+                    T.barrier_wait(empty[s], ((ti // stages) & 1) ^ 1)
+                    for k in T.unroll(ppt):
+                        pos = row[2] + ti * BN + k * sub_rows  # first position of this copy
+                        ent[0] = ent_s[pos // page - by * split]
+                        ok = (pos < row[1]) & (ent[0] >= 0) & (ent[0] < p_count)
+                        if ok:
+                            off = pos % page
+                            T.tma_copy(vals[ent[0], off:off + sub_rows, :], k_s[s, k * sub_rows:(k + 1) * sub_rows, :],
+                                       barrier=full[s])
+                            T.tma_copy(scales[ent[0], scale_word + off:scale_word + off + sub_rows],
+                                       sc_s[s, k * sub_rows:(k + 1) * sub_rows], barrier=full[s])
+                        if tx == 128:
+                            ok_s[s, k] = T.if_then_else(ok, 1, 0)
+                    T.barrier_arrive(full[s])
+            else:
+                for c in T.serial(q_chunks // 128 if q_chunks >= 128 else 1):
+                    i = c * 128 + tx
+                    if i < q_chunks:
+                        h = i // (dim // 16)
+                        col = i % (dim // 16) * 16
+                        for v in T.vectorized(16):
+                            q_s[h, col + v] = T.if_then_else(h < heads, q[bx, T.min(h, heads - 1), col + v],
+                                                             T.cast(0, T.float8_e4m3fn))
+                for i, h in T.Parallel(1, hp):
+                    w[i, h] = T.if_then_else(h < heads, weights[bx, T.min(h, heads - 1)], 0.0)
+                T.fence_proxy_async()  # generic stores, read by wgmma through the async proxy
+                T.barrier_arrive(q_ready)
+                T.barrier_wait(q_ready, 0)
+                for ti in T.serial(tiles):
+                    pos0 = row[2] + ti * BN
+                    if ti < row[3]:
+                        s = ti % stages
+                        T.barrier_wait(full[s], (ti // stages) & 1)
+                        T.wgmma_gemm(k_s[s, :, :], q_s, acc, transpose_B=True, clear_accum=True)
+                        T.wait_wgmma(0)
+                        for j in T.Parallel(BN):
+                            sc[j] = T.if_then_else((ok_s[s, j // sub_rows] != 0) & (pos0 + j < row[1]), sc_s[s, j],
+                                                   -T.infinity(T.float32))
+                        T.barrier_arrive(empty[s])
+                        _relu_weigh_reduce(acc, w, lg, 1, hp)
+                        for j, i in T.Parallel(BN, 1):
+                            if pos0 + j < w_len:
+                                logits[bx, pos0 + j] = T.if_then_else(sc[j] == -T.infinity(T.float32), sc[j],
+                                                                      lg[j, i] * sc[j])
+                    else:
+                        for j in T.Parallel(BN):
+                            if pos0 + j < w_len:
+                                logits[bx, pos0 + j] = -T.infinity(T.float32)
+
+    return paged_index_logits
+
+
+def _build_paged_portable(key: PagedLogitsKey):
+    """Portable decode (HIP, bf16 queries, pages the TMA path does not take): the tiling of the warp-specialized
+    kernel, each tile's rows gathered into shared memory by all threads (zeros for positions that are not read),
+    ``T.gemm``, the same epilogue."""
+    dim, heads, page = key.dim, key.heads, key.page
+    hp, tiles, _, row_bytes = _paged_geometry(key)
+    dtype = T.float8_e4m3fn if key.q_dtype == "float8_e4m3fn" else T.bfloat16
+    scale_word = page * dim // SCALE_BYTES
+    split_tokens = key.pages_per_cta * page
+    threads = 128
+    r_count, b_count, p_count, max_pages = T.dynamic("r"), T.dynamic("b"), T.dynamic("p"), T.dynamic("max_pages")
+    w_len = max_pages * page
+
+    @T.prim_func
+    def paged_index_logits(q: T.Tensor((r_count, heads, dim), dtype), cache: T.Tensor((p_count, row_bytes), T.uint8),
+                           weights: T.Tensor((r_count, heads), T.float32), lengths: T.Tensor((r_count,), T.int32),
+                           page_table: T.Tensor((b_count, max_pages), T.int32),
+                           logits: T.Tensor((r_count, w_len), T.float32)):
+        with T.Kernel(r_count, T.ceildiv(max_pages, key.pages_per_cta), threads=threads) as (bx, by):
+            vals = T.view(cache, (p_count, row_bytes), T.float8_e4m3fn)
+            scales = T.view(cache, (p_count, row_bytes // SCALE_BYTES), T.float32)
+            q_s = T.alloc_shared((hp, dim), dtype)
+            k_s = T.alloc_shared((BN, dim), dtype)
+            slot_s = T.alloc_shared((BN,), T.int64)  # a tile row's cache byte offset / D, or -1 where not read
+            acc = T.alloc_fragment((BN, hp), T.float32)
+            lg = T.alloc_fragment((BN, 1), T.float32)
+            w = T.alloc_fragment((1, hp), T.float32)
+            sc = T.alloc_fragment((BN,), T.float32)
+            row = T.alloc_local((4,), T.int32)
+            ent = T.alloc_local((1,), T.int32)
+            _paged_row(bx, r_count, b_count, lengths, w_len, by, split_tokens, row)
+            tx = T.get_thread_binding()
+            for h, d in T.Parallel(hp, dim):
+                q_s[h, d] = T.if_then_else(h < heads, q[bx, T.min(h, heads - 1), d], T.cast(0, dtype))
+            for i, h in T.Parallel(1, hp):
+                w[i, h] = T.if_then_else(h < heads, weights[bx, T.min(h, heads - 1)], 0.0)
+            for ti in T.serial(tiles):
+                pos0 = row[2] + ti * BN
+                if ti < row[3]:
+                    if tx < BN:
+                        pg = (pos0 + tx) // page
+                        ent[0] = page_table[row[0], T.min(pg, max_pages - 1)]
+                        ok = (pos0 + tx < row[1]) & (pg < max_pages) & (ent[0] >= 0) & (ent[0] < p_count)
+                        slot_s[tx] = T.if_then_else(ok, T.cast(ent[0], T.int64) * page + (pos0 + tx) % page,
+                                                    T.int64(-1))
+                    for j, d in T.Parallel(BN, dim):
+                        if slot_s[j] >= 0:
+                            k_s[j, d] = T.cast(vals[slot_s[j] // page, slot_s[j] % page * dim + d], dtype)
+                        else:
+                            k_s[j, d] = T.cast(0, dtype)
+                    for j in T.Parallel(BN):
+                        if slot_s[j] >= 0:
+                            sc[j] = scales[slot_s[j] // page, scale_word + slot_s[j] % page]
+                        else:
+                            sc[j] = -T.infinity(T.float32)
+                    T.gemm(k_s, q_s, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                    _relu_weigh_reduce(acc, w, lg, 1, hp)
+                    for j, i in T.Parallel(BN, 1):
+                        if pos0 + j < w_len:
+                            logits[bx, pos0 + j] = T.if_then_else(sc[j] == -T.infinity(T.float32), sc[j],
+                                                                  lg[j, i] * sc[j])
+                else:
+                    for j in T.Parallel(BN):
+                        if pos0 + j < w_len:
+                            logits[bx, pos0 + j] = -T.infinity(T.float32)
+
+    return paged_index_logits

@@ -1,0 +1,939 @@
+"""TileLang kernels of the exact top-k selection ``dsa.topk``.
+
+Letters: R rows, W columns of ``logits [R, W] float32`` (row stride ``ld >= W``), B requests and ``max_pages``
+pages of ``page_table [B, max_pages] int32``, K = ``key.k``, W' the output's width; C chunks of CH columns for the
+split kernels. All of R, W, ld, W', B, max_pages, C and CH are dynamic: one compiled kernel serves every size.
+
+Row r's candidates are the columns ``[starts[r], starts[r] + lengths[r])`` clipped to ``[0, W)`` (starts 0 when
+absent); a candidate's position is its column minus ``starts[r]``. The kernels select the K candidates first in
+the order (logit descending, position ascending), all of them when a row has fewer, and write their positions
+ascending, then -1 up to W'. With a page table each position p becomes the slot ``page_table[b, p // page_size]
+* page_size + p % page_size`` (computed in int64, stored as int32), ``b = row_request[r]`` or ``r // (R / B)``;
+-1 where b is outside ``[0, B)``, ``p // page_size >= max_pages`` or the entry is negative. Exact definition:
+``sparse_dsa_ops.reference.topk``.
+
+The selection is exact and deterministic: each logit becomes an unsigned 32-bit key with the logits' order
+(:func:`order_key`: -0 equals +0, every NaN is key 0, below -inf), and a radix select finds the K-th largest key
+``tau`` and how many candidates equal to it are taken (``take``) with three histogram passes over digits of 12, 10
+and 10 bits. One in-order pass then writes every candidate whose key is larger than ``tau`` and the first ``take``
+equal to it: block-wide prefix sums in position order place each one, so the output is ascending without a sort
+and ties go to the lower position. Integer histograms and prefix sums give the same result in every run; no
+floating-point value is ever compared or summed.
+
+Where the candidates of the threshold's top digit and above (the *list*) fit in shared memory (``key.cap``
+entries), the row is read twice: one histogram pass, then one in-order pass that gathers the list (keys and
+columns), on which the last two digits and the output pass run in shared memory. Rows of at most ``cap``
+candidates are read once, straight into the list. Rows of at most K candidates are copied. Otherwise (a huge
+threshold bin: e.g. many equal logits) the last passes read the row again: slower, never inexact.
+
+Two schemes:
+
+* :func:`build_topk_rows`: one CTA per row (grid R), no scratch. For many rows (the prefill: R in the hundreds
+  or more), where R CTAs fill the GPU.
+* :func:`build_topk_split` (stages ``hist`` then ``select``): C CTAs per row, each over a chunk of CH columns, for
+  few rows (decode batches: R * C >= the SM count). ``hist`` adds each chunk's histogram of the top digit into
+  ``counters`` and the row's last CTA (a ticket counter) finds the top digit; ``select`` gathers each chunk's list
+  entries in order into ``cand`` and the row's last CTA finishes the row. Rows of at most ``cap`` candidates are
+  done by the CTA of chunk 0 of ``select`` alone. The tickets make the last CTA of a row the only reader of what
+  the others wrote, after a device-scope fence: no CTA ever waits for another, and the result does not depend on
+  which CTA comes last. Both stages leave ``counters`` all zero, so it is zeroed once, when allocated.
+
+Kernels never read or write outside their buffers for any index value: starts and lengths of any int32 value,
+page-table entries and request ids outside their ranges.
+"""
+
+from dataclasses import dataclass
+
+import tilelang.language as T
+
+__all__ = ["TopkKey", "TopkSplitKey", "MAX_K", "FIRST_BINS", "COUNTERS", "ROW_STATE", "pass_configs",
+           "split_chunk", "order_key", "build_topk_rows", "build_topk_split"]
+
+MAX_K = 4096  # the largest k of dsa.topk
+WARP = 32  # lanes of a shuffle group (also 32 on 64-wide AMD wavefronts: shuffles take a width)
+SHUFFLE_DELTAS = (1, 2, 4, 8, 16)  # the steps of a 32-lane inclusive scan
+# The three radix digits of a key, most significant first: (shift, bits).
+FIRST_SHIFT, FIRST_BITS = 20, 12  # sign, exponent and 3 mantissa bits
+MID_SHIFT, MID_BITS = 10, 10
+LOW_BITS = 10
+FIRST_BINS = 1 << FIRST_BITS
+LOW_BINS = 1 << MID_BITS  # bins of the second and third digits (both 10 bits)
+LOW_MASK = LOW_BINS - 1
+COUNT_BITS = 16  # an in-order pass sums (greater, equal) counts of a tile packed into one int32
+COUNT_MASK = (1 << COUNT_BITS) - 1
+COUNTERS = FIRST_BINS + 1  # int32 counters of a row in the split scheme: the top-digit histogram, then a ticket
+ROW_STATE = 4  # int32 words of a row's state in the split scheme: top digit, keys above it, its count, spare
+# Key bits (order_key).
+SIGN = 0x80000000
+MAGNITUDE = 0x7FFFFFFF
+INF_BITS = 0x7F800000
+ALL_ONES = 0xFFFFFFFF
+NAN_KEY = 0  # below every number: -inf is key 0x007FFFFF
+ZERO_KEY = SIGN  # +0 and -0
+# Words of the shared `state` buffer: the result of a digit selection, then a broadcast ticket.
+DIGIT, ABOVE, COUNT, TICKET = 0, 1, 2, 3
+STATE_WORDS = 4
+
+
+@dataclass(frozen=True)
+class TopkKey:
+    """A one-CTA-per-row top-k kernel (:func:`build_topk_rows`).
+
+    k: the selection size (1 to :data:`MAX_K`; the output's width W' >= k is dynamic); page_size: the page of the
+    page table, 0 for no page table (positions out); has_starts: a ``starts`` argument; has_row_request: a
+    ``row_request`` argument (needs a page table). Tile parameters: threads per CTA, vec elements each thread takes
+    of a tile (``threads * vec`` per tile), cap list entries in shared memory (8 bytes each).
+    """
+
+    k: int
+    page_size: int = 0
+    has_starts: bool = False
+    has_row_request: bool = False
+    threads: int = 512
+    vec: int = 4
+    cap: int = 8192
+
+    def __post_init__(self):
+        _check_key(self)
+
+    @property
+    def name(self) -> str:
+        return f"topk_rows_{_spec_name(self)}"
+
+
+@dataclass(frozen=True)
+class TopkSplitKey:
+    """One stage (``"hist"`` or ``"select"``) of the split top-k kernels (:func:`build_topk_split`); the other
+    fields as :class:`TopkKey`. The two stages of one call use keys equal but for the stage."""
+
+    k: int
+    stage: str = "hist"
+    page_size: int = 0
+    has_starts: bool = False
+    has_row_request: bool = False
+    threads: int = 512
+    vec: int = 4
+    cap: int = 8192
+
+    def __post_init__(self):
+        _check_key(self)
+        assert self.stage in ("hist", "select"), f"stage is 'hist' or 'select', got {self.stage!r}"
+
+    @property
+    def name(self) -> str:
+        return f"topk_split_{self.stage}_{_spec_name(self)}"
+
+
+def _check_key(key) -> None:
+    assert 1 <= key.k <= MAX_K, f"k in [1, {MAX_K}], got {key.k}"
+    assert key.page_size >= 0, "page_size is 0 (no page table) or a page size"
+    assert not key.has_row_request or key.page_size, "row_request maps rows to page-table rows: needs a page table"
+    assert key.threads % WARP == 0 and 2 * WARP <= key.threads <= 1024, "threads: a multiple of 32 in [64, 1024]"
+    warps = key.threads // WARP
+    assert warps <= WARP, "one warp scans the warps' totals"
+    assert key.vec * warps % WARP == 0, "each lane of the tile scan takes whole (sub-tile, warp) counts"
+    assert key.threads * key.vec <= COUNT_MASK, "a tile's counts fit 16 bits"
+    assert FIRST_BINS % key.threads == 0 or key.threads % FIRST_BINS == 0
+    assert key.cap >= 1
+
+
+def _spec_name(key) -> str:
+    paged = f"page{key.page_size}" if key.page_size else "positions"
+    opts = ("_starts" if key.has_starts else "") + ("_rowreq" if key.has_row_request else "")
+    return f"k{key.k}_{paged}{opts}_t{key.threads}_v{key.vec}_cap{key.cap}"
+
+
+def pass_configs(key) -> dict:
+    """TileLang pass configs of every top-k kernel: the barriers are placed by hand (TileLang's automatic ones would
+    also land inside loops whose every thread already waits at one)."""
+    return {"tl.disable_thread_storage_sync": True}
+
+
+def split_chunk(width: int, chunks: int) -> int:
+    """CH, the columns of each of ``chunks`` CTAs of a row of ``width`` columns in :func:`build_topk_split`: the
+    chunks must cover the row (``C * CH >= W``)."""
+    return max(1, -(-width // max(chunks, 1)))
+
+
+def order_key(x):
+    """The uint32 key of a float32 ``x``: larger logits give larger keys; -0 and +0 give one key; every NaN gives
+    :data:`NAN_KEY`, below -inf. Pure integer operations on the bits: no floating-point comparison."""
+    bits = T.reinterpret(x, T.uint32)
+    mag = bits & T.uint32(MAGNITUDE)
+    flipped = T.Select(bits >= T.uint32(SIGN), bits ^ T.uint32(ALL_ONES), bits | T.uint32(SIGN))
+    number = T.Select(mag == T.uint32(0), T.uint32(ZERO_KEY), flipped)
+    return T.Select(mag > T.uint32(INF_BITS), T.uint32(NAN_KEY), number)
+
+
+class _Parts:
+    """The macros of a top-k kernel, specialized on its key (threads, vec, cap, k, W', page size)."""
+
+    def __init__(self, key, out_width):
+        self.key = key
+        self.out_width = out_width  # W', dynamic
+        self.threads = key.threads
+        self.vec = key.vec
+        self.tile = key.threads * key.vec
+        self.warps = key.threads // WARP
+        self.entries = key.vec * self.warps  # (sub-tile, warp) counts of one in-order tile
+        self.per_lane = self.entries // WARP
+        self._scans()
+        self._passes()
+        self._sources()
+        self._outputs()
+
+    def _scans(self):
+        """Prefix sums over a warp, a block and an in-order tile, and the selection of a digit."""
+        threads, vec, warps, entries, per_lane = self.threads, self.vec, self.warps, self.entries, self.per_lane
+
+        @T.macro
+        def warp_scan(acc, j, tmp):
+            """``acc[j]``: its inclusive prefix sum over the 32 lanes of the thread's shuffle group."""
+            lane = T.get_thread_binding() % WARP
+            for delta in SHUFFLE_DELTAS:
+                tmp[0] = T.shfl_up(acc[j], delta, WARP)
+                if lane >= delta:
+                    acc[j] = acc[j] + tmp[0]
+
+        @T.macro
+        def block_scan(mine, excl, total, sums):
+            """``excl[0]``: the sum of ``mine[0]`` over the threads before this one; ``total[0]``: over all. Reads
+            ``sums`` (shared ``[warps]``) after the last barrier: callers pass a barrier before its next use."""
+            tx = T.get_thread_binding()
+            lane, warp = tx % WARP, tx // WARP
+            tmp = T.alloc_local((1,), T.int32)
+            excl[0] = mine[0]
+            warp_scan(excl, 0, tmp)
+            if lane == WARP - 1:
+                sums[warp] = excl[0]
+            T.sync_threads()
+            if warp == 0:
+                total[0] = T.Select(lane < warps, sums[T.min(lane, warps - 1)], 0)
+                warp_scan(total, 0, tmp)
+                if lane < warps:
+                    sums[lane] = total[0]
+            T.sync_threads()
+            excl[0] = excl[0] - mine[0] + T.Select(warp > 0, sums[T.max(warp - 1, 0)], 0)
+            total[0] = sums[warps - 1]
+
+        @T.macro
+        def select_digit(hist, bins, need, state, sums):
+            """Find the bin d of ``hist[bins]`` (shared) where the count from the top reaches ``need`` (a thread-
+            invariant int32, 1 <= need <= the total): ``state[DIGIT] = d``, ``state[ABOVE]`` = the count of the
+            bins above d, ``state[COUNT] = hist[d]``. Ends at a barrier."""
+            tx = T.get_thread_binding()
+            per = max(bins // threads, 1)  # bins a thread owns, consecutive
+            owners = bins // per
+            mine = T.alloc_local((1,), T.int32)
+            excl = T.alloc_local((1,), T.int32)
+            total = T.alloc_local((1,), T.int32)
+            acc = T.alloc_local((1,), T.int32)
+            mine[0] = 0
+            if tx < owners:
+                for i in T.unroll(per):
+                    mine[0] = mine[0] + hist[tx * per + i]
+            block_scan(mine, excl, total, sums)
+            acc[0] = total[0] - excl[0] - mine[0]  # the count of the bins of the threads after this one
+            if tx < owners:
+                for i in T.unroll(per):
+                    b = tx * per + (per - 1 - i)
+                    if acc[0] < need and acc[0] + hist[b] >= need:  # exactly one bin of one thread
+                        state[DIGIT] = b
+                        state[ABOVE] = acc[0]
+                        state[COUNT] = hist[b]
+                    acc[0] = acc[0] + hist[b]
+            T.sync_threads()
+
+        @T.macro
+        def tile_ranks(vals, ranks, cnt, parity, tile_total):
+            """In-order prefix sums of one tile: element j of thread tx is element ``j * threads + tx`` of the
+            tile; ``ranks[j]`` = the sum of ``vals`` over the tile's elements before it, ``tile_total[0]`` over all.
+            ``cnt`` (shared ``[2, entries + 1]``) alternates halves with ``parity`` so that a tile's writes never
+            meet the previous tile's reads: two barriers a tile suffice."""
+            tx = T.get_thread_binding()
+            lane, warp = tx % WARP, tx // WARP
+            acc = T.alloc_local((vec,), T.int32)
+            tmp = T.alloc_local((1,), T.int32)
+            part = T.alloc_local((per_lane,), T.int32)
+            run = T.alloc_local((1,), T.int32)
+            own = T.alloc_local((1,), T.int32)
+            for j in T.unroll(vec):
+                acc[j] = vals[j]
+                warp_scan(acc, j, tmp)
+                if lane == WARP - 1:
+                    cnt[parity, j * warps + warp] = acc[j]
+            T.sync_threads()
+            if warp == 0:  # exclusive scan of the (sub-tile, warp) totals, in the tile's order
+                run[0] = 0
+                for i in T.unroll(per_lane):
+                    part[i] = run[0]
+                    run[0] = run[0] + cnt[parity, lane * per_lane + i]
+                own[0] = run[0]
+                warp_scan(run, 0, tmp)
+                for i in T.unroll(per_lane):
+                    cnt[parity, lane * per_lane + i] = part[i] + run[0] - own[0]
+                if lane == WARP - 1:
+                    cnt[parity, entries] = run[0]
+            T.sync_threads()
+            for j in T.unroll(vec):
+                ranks[j] = cnt[parity, j * warps + warp] + acc[j] - vals[j]
+            tile_total[0] = cnt[parity, entries]
+
+        self.warp_scan, self.block_scan, self.select_digit, self.tile_ranks = (warp_scan, block_scan, select_digit,
+                                                                              tile_ranks)
+
+    def _passes(self):
+        """The passes over a row (or its list) that count digits and gather the list."""
+        threads, vec, tile, tile_ranks = self.threads, self.vec, self.tile, self.tile_ranks
+
+        @T.macro
+        def zero(buf, count):
+            """``buf[:count] = 0`` (shared; no barrier)."""
+            tx = T.get_thread_binding()
+            for i in T.unroll(T.ceildiv(count, threads)):
+                if count % threads == 0 or i * threads + tx < count:
+                    buf[i * threads + tx] = 0
+
+        @T.macro
+        def load_tile(logits, row, first, hi, raw):
+            """``raw[j] = logits[row, first + j * threads + tx]``, clamped to column ``hi - 1`` (hi > 0) so that
+            every load is in bounds and none waits behind a branch."""
+            tx = T.get_thread_binding()
+            for j in T.unroll(vec):
+                raw[j] = logits[row, T.min(first + j * threads + tx, hi - 1)]
+
+        @T.macro
+        def hist_first(logits, row, lo, hi, hist):
+            """Histogram the top digit of the keys of the logits columns ``[lo, hi)`` of ``row`` into ``hist``
+            (shared, zeroed), loading the next tile before it counts this one. No barrier."""
+            tx = T.get_thread_binding()
+            raw = T.alloc_local((vec,), T.float32)
+            nxt = T.alloc_local((vec,), T.float32)
+            kv = T.alloc_local((vec,), T.uint32)
+            load_tile(logits, row, lo, hi, nxt)
+            for it in T.serial(T.ceildiv(hi - lo, tile)):
+                for j in T.unroll(vec):
+                    raw[j] = nxt[j]
+                load_tile(logits, row, lo + (it + 1) * tile, hi, nxt)
+                for j in T.unroll(vec):
+                    kv[j] = order_key(raw[j])
+                for j in T.unroll(vec):
+                    if lo + it * tile + j * threads + tx < hi:
+                        T.atomic_add(hist[T.cast(kv[j] >> FIRST_SHIFT, T.int32)], 1)
+
+        @T.macro
+        def collect(logits, row, lo, hi, thr, dst_key, dst_col, dst_at, chunk, cnt, found):
+            """Write the keys and columns of the candidates of ``[lo, hi)`` with ``key >= thr`` in column order to
+            ``dst_key[i]`` and ``dst_col[i]`` (shared lists), or to ``dst_col[r, c, 0, i]`` (the key's bits) and
+            ``dst_col[r, c, 1, i]`` when ``dst_at = (r, c)``, for i < chunk; ``found[0]`` = their count. Ends at a
+            barrier."""
+            tx = T.get_thread_binding()
+            raw = T.alloc_local((vec,), T.float32)
+            nxt = T.alloc_local((vec,), T.float32)
+            kv = T.alloc_local((vec,), T.uint32)
+            vals = T.alloc_local((vec,), T.int32)
+            ranks = T.alloc_local((vec,), T.int32)
+            tile_total = T.alloc_local((1,), T.int32)
+            found[0] = 0
+            load_tile(logits, row, lo, hi, nxt)
+            for it in T.serial(T.ceildiv(hi - lo, tile)):
+                for j in T.unroll(vec):
+                    raw[j] = nxt[j]
+                load_tile(logits, row, lo + (it + 1) * tile, hi, nxt)
+                for j in T.unroll(vec):
+                    kv[j] = order_key(raw[j])
+                    vals[j] = T.Select((lo + it * tile + j * threads + tx < hi) & (kv[j] >= thr), 1, 0)
+                tile_ranks(vals, ranks, cnt, it % 2, tile_total)
+                for j in T.unroll(vec):
+                    if vals[j] == 1 and found[0] + ranks[j] < chunk:
+                        if dst_at is None:
+                            dst_key[found[0] + ranks[j]] = kv[j]
+                            dst_col[found[0] + ranks[j]] = lo + it * tile + j * threads + tx
+                        else:
+                            dst_col[dst_at[0], dst_at[1], 0, found[0] + ranks[j]] = T.reinterpret(kv[j], T.int32)
+                            dst_col[dst_at[0], dst_at[1], 1, found[0] + ranks[j]] = lo + it * tile + j * threads + tx
+                found[0] = found[0] + tile_total[0]
+            T.sync_threads()
+
+        self.zero, self.load_tile, self.hist_first, self.collect = zero, load_tile, hist_first, collect
+
+    def _sources(self):
+        """The two passes that read a row's source, the list or the logits: a digit's histogram and the output."""
+        key, threads, vec, tile = self.key, self.threads, self.vec, self.tile
+        k, cap, page = key.k, key.cap, key.page_size
+        tile_ranks = self.tile_ranks
+
+        @T.macro
+        def source_tile(use_list, logits, row, lo, hi, lkey, lcol, count, it, kv, col, valid):
+            """Tile ``it`` of a pass's source: ``kv[j]``, ``col[j]`` and ``valid[j]`` (1 or 0) of its element j,
+            from the list ``lkey[:count]``, ``lcol`` where ``use_list`` (thread-invariant) is nonzero, else from the
+            logits columns ``[lo, hi)`` of ``row``."""
+            tx = T.get_thread_binding()
+            raw = T.alloc_local((1,), T.float32)
+            for j in T.unroll(vec):
+                if use_list != 0:
+                    kv[j] = lkey[T.min(it * tile + j * threads + tx, cap - 1)]
+                    col[j] = lcol[T.min(it * tile + j * threads + tx, cap - 1)]
+                    valid[j] = T.Select(it * tile + j * threads + tx < count, 1, 0)
+                else:
+                    col[j] = lo + it * tile + j * threads + tx
+                    raw[0] = logits[row, T.min(col[j], hi - 1)]
+                    kv[j] = order_key(raw[0])
+                    valid[j] = T.Select(col[j] < hi, 1, 0)
+
+        @T.macro
+        def hist_digit(use_list, logits, row, lo, hi, lkey, lcol, count, hist, flt_shift, prefix, dig_shift):
+            """Histogram digit ``(key >> dig_shift) & LOW_MASK`` of the keys with ``key >> flt_shift == prefix``
+            into ``hist`` (shared, zeroed), over the source of :func:`source_tile`. No barrier."""
+            kv = T.alloc_local((vec,), T.uint32)
+            col = T.alloc_local((vec,), T.int32)
+            valid = T.alloc_local((vec,), T.int32)
+            for it in T.serial(T.ceildiv(T.Select(use_list != 0, count, hi - lo), tile)):
+                source_tile(use_list, logits, row, lo, hi, lkey, lcol, count, it, kv, col, valid)
+                for j in T.unroll(vec):
+                    if valid[j] == 1 and (kv[j] >> flt_shift) == prefix:
+                        T.atomic_add(hist[T.cast((kv[j] >> dig_shift) & LOW_MASK, T.int32)], 1)
+
+        def slot_of(pos, page_table, request, n_req, max_pages):
+            """The value written for position ``pos`` (>= 0): pos, or its page-table slot (-1 where invalid)."""
+            if not page:
+                return pos
+            page_idx = pos // page
+            ok = (request >= 0) & (request < n_req) & (page_idx < max_pages)
+            entry = T.if_then_else(ok, page_table[T.max(T.min(request, n_req - 1), 0), T.min(page_idx, max_pages - 1)],
+                                   -1)
+            return T.Select(entry >= 0, T.cast(T.cast(entry, T.int64) * page + pos % page, T.int32), -1)
+
+        @T.macro
+        def compact(use_list, logits, row, lo, hi, lkey, lcol, count, tau, take, out, orow, start, paging, cnt):
+            """The output pass: in column order, write ``slot_of(column - start)`` of every candidate with key >
+            ``tau`` and of the first ``take`` with key == ``tau`` to ``out[orow, :k]``, over the source of
+            :func:`source_tile`. Ends at a barrier."""
+            kv = T.alloc_local((vec,), T.uint32)
+            col = T.alloc_local((vec,), T.int32)
+            vals = T.alloc_local((vec,), T.int32)
+            ranks = T.alloc_local((vec,), T.int32)
+            tile_total = T.alloc_local((1,), T.int32)
+            base = T.alloc_local((2,), T.int32)  # greater, equal: counts before this tile
+            greater = T.alloc_local((1,), T.int32)
+            equal = T.alloc_local((1,), T.int32)
+            base[0] = 0
+            base[1] = 0
+            for it in T.serial(T.ceildiv(T.Select(use_list != 0, count, hi - lo), tile)):
+                source_tile(use_list, logits, row, lo, hi, lkey, lcol, count, it, kv, col, vals)
+                for j in T.unroll(vec):
+                    vals[j] = T.Select(vals[j] == 1, T.Select(kv[j] > tau, 1, T.Select(
+                        kv[j] == tau, 1 << COUNT_BITS, 0)), 0)
+                tile_ranks(vals, ranks, cnt, it % 2, tile_total)
+                for j in T.unroll(vec):
+                    greater[0] = base[0] + (ranks[j] & COUNT_MASK)
+                    equal[0] = base[1] + (ranks[j] >> COUNT_BITS)
+                    if vals[j] == 1 or (vals[j] == 1 << COUNT_BITS and equal[0] < take):
+                        out[orow, T.min(greater[0] + T.min(equal[0], take), k - 1)] = slot_of(col[j] - start, *paging)
+                base[0] = base[0] + (tile_total[0] & COUNT_MASK)
+                base[1] = base[1] + (tile_total[0] >> COUNT_BITS)
+            T.sync_threads()
+
+        self.source_tile, self.hist_digit, self.compact, self.slot_of = source_tile, hist_digit, compact, slot_of
+
+    def _outputs(self):
+        """The selection of the last two digits and the passes that write a row's output."""
+        key, threads, vec, tile = self.key, self.threads, self.vec, self.tile
+        k, cap, out_width = key.k, key.cap, self.out_width
+        zero, load_tile, select_digit, slot_of = self.zero, self.load_tile, self.select_digit, self.slot_of
+        hist_digit, compact = self.hist_digit, self.compact
+
+        @T.macro
+        def finish(use_list, logits, row, lo, hi, lkey, lcol, count, top, above, hist, state, sums, cnt, out, orow,
+                   start, paging):
+            """Given the top digit ``top`` of the K-th largest key and the count ``above`` of keys of a larger top
+            digit, find the last two digits over the source of :func:`source_tile` (the list where ``use_list`` is
+            nonzero) and write the row's selection to ``out[orow, :k]``. Starts after a barrier, ends at one."""
+            need = T.alloc_local((1,), T.int32)
+            prefix = T.alloc_local((1,), T.uint32)
+            tau = T.alloc_local((1,), T.uint32)
+            need[0] = k - above
+            prefix[0] = T.cast(top, T.uint32)
+            zero(hist, LOW_BINS)
+            T.sync_threads()
+            hist_digit(use_list, logits, row, lo, hi, lkey, lcol, count, hist, FIRST_SHIFT, prefix[0], MID_SHIFT)
+            T.sync_threads()
+            select_digit(hist, LOW_BINS, need[0], state, sums)
+            need[0] = need[0] - state[ABOVE]
+            prefix[0] = (prefix[0] << MID_BITS) | T.cast(state[DIGIT], T.uint32)
+            T.sync_threads()  # every thread has read state before the next selection writes it
+            zero(hist, LOW_BINS)
+            T.sync_threads()
+            hist_digit(use_list, logits, row, lo, hi, lkey, lcol, count, hist, MID_SHIFT, prefix[0], 0)
+            T.sync_threads()
+            select_digit(hist, LOW_BINS, need[0], state, sums)
+            tau[0] = (prefix[0] << LOW_BITS) | T.cast(state[DIGIT], T.uint32)
+            need[0] = need[0] - state[ABOVE]  # the keys equal to tau that are taken
+            compact(use_list, logits, row, lo, hi, lkey, lcol, count, tau[0], need[0], out, orow, start, paging, cnt)
+
+        @T.macro
+        def whole_row(logits, row, lo, n, lkey, lcol, hist, state, sums):
+            """A row of ``n <= cap`` candidates from column ``lo``: its keys and columns into the list and the top
+            digit's histogram, then the selection of the top digit (state). Ends at a barrier."""
+            tx = T.get_thread_binding()
+            raw = T.alloc_local((vec,), T.float32)
+            kv = T.alloc_local((vec,), T.uint32)
+            zero(hist, FIRST_BINS)
+            T.sync_threads()
+            for it in T.serial(T.ceildiv(n, tile)):
+                load_tile(logits, row, lo + it * tile, lo + n, raw)
+                for j in T.unroll(vec):
+                    kv[j] = order_key(raw[j])
+                for j in T.unroll(vec):
+                    if it * tile + j * threads + tx < n:
+                        lkey[T.min(it * tile + j * threads + tx, cap - 1)] = kv[j]
+                        lcol[T.min(it * tile + j * threads + tx, cap - 1)] = lo + it * tile + j * threads + tx
+                        T.atomic_add(hist[T.cast(kv[j] >> FIRST_SHIFT, T.int32)], 1)
+            T.sync_threads()
+            select_digit(hist, FIRST_BINS, k, state, sums)
+
+        @T.macro
+        def copy_row(out, orow, lo, n, start, paging):
+            """A row of ``n <= k`` candidates from column ``lo``: all of them, then -1 (the whole output row)."""
+            tx = T.get_thread_binding()
+            for i in T.serial(T.ceildiv(out_width, threads)):
+                if i * threads + tx < out_width:
+                    out[orow, i * threads + tx] = T.if_then_else(i * threads + tx < n,
+                                                                 slot_of(lo - start + i * threads + tx, *paging), -1)
+
+        @T.macro
+        def pad(out, orow):
+            """``out[orow, k:] = -1``."""
+            tx = T.get_thread_binding()
+            if out_width > k:
+                for i in T.serial(T.ceildiv(out_width - k, threads)):
+                    if k + i * threads + tx < out_width:
+                        out[orow, k + i * threads + tx] = -1
+
+        self.finish, self.whole_row, self.copy_row, self.pad = finish, whole_row, copy_row, pad
+
+
+@T.macro
+def _row_bounds(lengths, starts, r, width, bounds):
+    """``bounds = [start, lo, hi]`` (int32) of row r: its candidates are the columns ``[lo, hi)``, in int64 so that
+    no start or length overflows."""
+    start = T.cast(starts[r], T.int64) if starts is not None else T.int64(0)
+    stop = start + T.cast(lengths[r], T.int64)
+    lo = T.min(T.max(start, T.int64(0)), T.cast(width, T.int64))
+    hi = T.max(T.min(stop, T.cast(width, T.int64)), lo)
+    bounds[0] = T.cast(start, T.int32)
+    bounds[1] = T.cast(lo, T.int32)
+    bounds[2] = T.cast(hi, T.int32)
+
+
+def _request_of(r, rows, row_request, n_req):
+    """The page-table row of row r: ``row_request[r]``, or ``r // (R / B)`` (B > 0 and dividing R; guarded)."""
+    if row_request is not None:
+        return row_request[r]
+    return r // T.max(rows // T.max(n_req, 1), 1)
+
+
+def build_topk_rows(key: TopkKey):
+    """The one-CTA-per-row top-k kernel of ``key`` (grid R, ``key.threads`` threads).
+
+    Call: ``(logits, lengths, [starts,] [page_table,] [row_request,] out)``, the bracketed ones present when the key
+    says so (``has_starts``; ``page_size > 0``; ``has_row_request``):
+
+    logits : [R, W] float32, row stride ld >= W (any; inner stride 1)
+    lengths : [R] int32
+    starts : [R] int32
+    page_table : [B, max_pages] int32 (B > 0 dividing R when there is no row_request)
+    row_request : [R] int32
+    out : [R, W'] int32, written whole (every entry of every row)
+
+    Shared memory: ``4 * 4096 + 8 * cap`` bytes and a few hundred more (81 KiB at cap 8192). Reads each row once
+    (at most ``cap`` candidates) or twice (the list fits), else up to four times.
+    """
+    dims = _Dims()
+    parts = _Parts(key, dims.out_width)
+    rows, width, ld, n_req, max_pages = dims.rows, dims.width, dims.ld, dims.requests, dims.max_pages
+    k, cap, page = key.k, key.cap, key.page_size
+
+    @T.macro
+    def select_rows(logits, lengths, starts, page_table, row_request, out):
+        with T.Kernel(rows, threads=key.threads) as bx:
+            hist = T.alloc_shared((FIRST_BINS,), T.int32)
+            lkey = T.alloc_shared((cap,), T.uint32)
+            lcol = T.alloc_shared((cap,), T.int32)
+            cnt = T.alloc_shared((2, parts.entries + 1), T.int32)
+            sums = T.alloc_shared((parts.warps,), T.int32)
+            state = T.alloc_shared((STATE_WORDS,), T.int32)
+            bounds = T.alloc_local((3,), T.int32)
+            top = T.alloc_local((3,), T.int32)  # the top digit, the keys above it, the list's length
+            found = T.alloc_local((1,), T.int32)
+            req = T.alloc_local((1,), T.int32)
+            use_list = T.alloc_local((1,), T.int32)
+            row = T.cast(bx, T.int64)
+            _row_bounds(lengths, starts, bx, width, bounds)
+            start, lo, hi = bounds[0], bounds[1], bounds[2]
+            req[0] = _request_of(bx, rows, row_request, n_req) if page else 0
+            paging = (page_table, req[0], n_req, max_pages)
+            if hi - lo <= k:
+                parts.copy_row(out, row, lo, hi - lo, start, paging)
+            else:
+                if hi - lo <= cap:
+                    parts.whole_row(logits, row, lo, hi - lo, lkey, lcol, hist, state, sums)
+                    top[0] = state[DIGIT]
+                    top[1] = state[ABOVE]
+                    top[2] = hi - lo
+                else:
+                    parts.zero(hist, FIRST_BINS)
+                    T.sync_threads()
+                    parts.hist_first(logits, row, lo, hi, hist)
+                    T.sync_threads()
+                    parts.select_digit(hist, FIRST_BINS, k, state, sums)
+                    top[0] = state[DIGIT]
+                    top[1] = state[ABOVE]
+                    top[2] = state[ABOVE] + state[COUNT]
+                    if top[2] <= cap:
+                        parts.collect(logits, row, lo, hi, T.cast(top[0], T.uint32) << FIRST_SHIFT, lkey, lcol, None,
+                                      cap, cnt, found)
+                T.sync_threads()  # state is read
+                use_list[0] = T.Select(top[2] <= cap, 1, 0)
+                parts.finish(use_list[0], logits, row, lo, hi, lkey, lcol, top[2], top[0],
+                             top[1], hist, state, sums, cnt, out, row, start, paging)
+                parts.pad(out, row)
+
+    logits_t = T.StridedTensor((rows, width), (ld, 1), T.float32)
+    vec_t = T.Tensor((rows,), T.int32)
+    table_t = T.Tensor((n_req, max_pages), T.int32)
+    out_t = T.Tensor((rows, dims.out_width), T.int32)
+    variant = (key.has_starts, bool(page), key.has_row_request)
+    if variant == (False, False, False):
+
+        @T.prim_func
+        def topk_rows(logits: logits_t, lengths: vec_t, out: out_t):
+            select_rows(logits, lengths, None, None, None, out)
+
+    elif variant == (True, False, False):
+
+        @T.prim_func
+        def topk_rows(logits: logits_t, lengths: vec_t, starts: vec_t, out: out_t):
+            select_rows(logits, lengths, starts, None, None, out)
+
+    elif variant == (False, True, False):
+
+        @T.prim_func
+        def topk_rows(logits: logits_t, lengths: vec_t, page_table: table_t, out: out_t):
+            select_rows(logits, lengths, None, page_table, None, out)
+
+    elif variant == (True, True, False):
+
+        @T.prim_func
+        def topk_rows(logits: logits_t, lengths: vec_t, starts: vec_t, page_table: table_t, out: out_t):
+            select_rows(logits, lengths, starts, page_table, None, out)
+
+    elif variant == (False, True, True):
+
+        @T.prim_func
+        def topk_rows(logits: logits_t, lengths: vec_t, page_table: table_t, row_request: vec_t, out: out_t):
+            select_rows(logits, lengths, None, page_table, row_request, out)
+
+    else:
+
+        @T.prim_func
+        def topk_rows(logits: logits_t, lengths: vec_t, starts: vec_t, page_table: table_t, row_request: vec_t,
+                      out: out_t):
+            select_rows(logits, lengths, starts, page_table, row_request, out)
+
+    return topk_rows
+
+
+@T.macro
+def _fence():
+    """A device-scope memory fence (``__threadfence``, on CUDA and HIP)."""
+    T.call_extern("handle", "__threadfence")
+
+
+@T.macro
+def _ticket(counters, r, state):
+    """``state[TICKET]``: how many CTAs of row r took a ticket before this one, after this CTA's global writes are
+    fenced. Ends at a barrier; the CTA whose ticket is C - 1 is the row's last."""
+    tx = T.get_thread_binding()
+    _fence()
+    T.sync_threads()
+    if tx == 0:
+        _fence()
+        state[TICKET] = T.atomic_add(counters[r, FIRST_BINS], 1, return_prev=True)
+    T.sync_threads()
+
+
+def build_topk_split(key: TopkSplitKey):
+    """One stage of the split top-k kernels of ``key``: grid (C, R), ``key.threads`` threads; CTA (c, r) takes the
+    columns ``[c * CH, (c + 1) * CH)`` of row r. Launch ``hist``, then ``select``, with the same scratch.
+
+    hist: ``(logits, lengths, [starts,] counters, row_state, cand)``
+    select: ``(logits, lengths, [starts,] [page_table,] [row_request,] counters, row_state, cand, cand_count, out)``
+
+    logits, lengths, starts, page_table, row_request, out : as :func:`build_topk_rows`
+    counters : [R, COUNTERS] int32 scratch, all zero before the first call (e.g. ``torch.zeros`` once, when
+        allocated); both stages leave it all zero again
+    row_state : [R, ROW_STATE] int32 scratch (any contents; hist writes it, select reads it)
+    cand : [R, C, 2, CH] int32 scratch (any contents): each chunk's list entries, keys then columns (hist reads
+        only its shape)
+    cand_count : [R, C] int32 scratch (any contents)
+
+    C (1 to ``key.threads``) and CH come from cand's shape and must cover the row: ``C * CH >= W``
+    (:func:`split_chunk`). One call must not overlap another on the same scratch (another stream). Shared memory: the
+    hist stage about 16 KiB, the select stage as :func:`build_topk_rows` plus ``4 * threads`` bytes.
+    """
+    dims = _Dims()
+    parts = _Parts(key, dims.out_width)
+    logits_t = T.StridedTensor((dims.rows, dims.width), (dims.ld, 1), T.float32)
+    vec_t = T.Tensor((dims.rows,), T.int32)
+    counters_t = T.Tensor((dims.rows, COUNTERS), T.int32)
+    state_t = T.Tensor((dims.rows, ROW_STATE), T.int32)
+    cand_t = T.Tensor((dims.rows, dims.chunks, 2, dims.chunk), T.int32)
+    if key.stage == "hist":
+        hist_stage = _hist_stage(key, parts, dims)
+        if key.has_starts:
+
+            @T.prim_func
+            def topk_split_hist(logits: logits_t, lengths: vec_t, starts: vec_t, counters: counters_t,
+                                row_state: state_t, cand: cand_t):
+                hist_stage(logits, lengths, starts, counters, row_state)
+
+        else:
+
+            @T.prim_func
+            def topk_split_hist(logits: logits_t, lengths: vec_t, counters: counters_t, row_state: state_t,
+                                cand: cand_t):
+                hist_stage(logits, lengths, None, counters, row_state)
+
+        return topk_split_hist
+    table_t = T.Tensor((dims.requests, dims.max_pages), T.int32)
+    count_t = T.Tensor((dims.rows, dims.chunks), T.int32)
+    out_t = T.Tensor((dims.rows, dims.out_width), T.int32)
+    scratch = (counters_t, state_t, cand_t, count_t)
+    return _select_entry(_select_stage(key, parts, dims), key, logits_t, vec_t, table_t, scratch, out_t)
+
+
+class _Dims:
+    """The dynamic sizes of one program (each a TIR variable, shared by its buffers and its body)."""
+
+    def __init__(self):
+        self.rows, self.width, self.ld = T.dynamic("rows"), T.dynamic("width"), T.dynamic("ld")
+        self.requests, self.max_pages = T.dynamic("requests"), T.dynamic("max_pages")
+        self.chunks, self.chunk = T.dynamic("chunks"), T.dynamic("chunk")
+        self.out_width = T.dynamic("out_width")
+
+
+def _chunk_macro(dims):
+    @T.macro
+    def chunk_bounds(lo, hi, c, bounds):
+        """``bounds[3:5]``: the candidates ``[lo, hi)`` that chunk c holds."""
+        bounds[3] = T.cast(T.max(T.cast(lo, T.int64), T.cast(c, T.int64) * dims.chunk), T.int32)
+        bounds[4] = T.cast(T.max(T.min(T.cast(hi, T.int64), (T.cast(c, T.int64) + 1) * dims.chunk),
+                                 T.cast(bounds[3], T.int64)), T.int32)
+
+    return chunk_bounds
+
+
+def _hist_stage(key: TopkSplitKey, parts: _Parts, dims: _Dims):
+    """The body of the split hist stage: each chunk's top-digit histogram into ``counters``; the row's last CTA
+    selects the top digit into ``row_state`` and zeroes the row's counters."""
+    k, cap, threads, chunks = key.k, key.cap, key.threads, dims.chunks
+    chunk_bounds = _chunk_macro(dims)
+
+    @T.macro
+    def hist_stage(logits, lengths, starts, counters, row_state):
+        with T.Kernel(chunks, dims.rows, threads=threads) as (bx, by):
+            hist = T.alloc_shared((FIRST_BINS,), T.int32)
+            sums = T.alloc_shared((parts.warps,), T.int32)
+            state = T.alloc_shared((STATE_WORDS,), T.int32)
+            bounds = T.alloc_local((5,), T.int32)
+            tx = T.get_thread_binding()
+            row = T.cast(by, T.int64)
+            _row_bounds(lengths, starts, by, dims.width, bounds)
+            if bounds[2] - bounds[1] > cap:  # (smaller rows are done by the select stage alone)
+                chunk_bounds(bounds[1], bounds[2], bx, bounds)
+                parts.zero(hist, FIRST_BINS)
+                T.sync_threads()
+                if bounds[4] > bounds[3]:
+                    parts.hist_first(logits, row, bounds[3], bounds[4], hist)
+                T.sync_threads()
+                for i in T.unroll(FIRST_BINS // threads):
+                    if hist[i * threads + tx] > 0:
+                        T.atomic_add(counters[by, i * threads + tx], hist[i * threads + tx])
+                _ticket(counters, by, state)
+                if state[TICKET] == chunks - 1:  # the row's last CTA: every chunk is counted
+                    _fence()
+                    for i in T.unroll(FIRST_BINS // threads):
+                        hist[i * threads + tx] = T.atomic_load(counters[by, i * threads + tx], memory_order="relaxed")
+                    T.sync_threads()
+                    parts.select_digit(hist, FIRST_BINS, k, state, sums)
+                    if tx < ROW_STATE:
+                        row_state[by, tx] = T.Select(tx < TICKET, state[T.min(tx, COUNT)], 0)
+                    for i in T.unroll(FIRST_BINS // threads):
+                        counters[by, i * threads + tx] = 0
+                    if tx == 0:
+                        counters[by, FIRST_BINS] = 0
+
+    return hist_stage
+
+
+def _gather_macro(key: TopkSplitKey, parts: _Parts, dims: _Dims):
+    threads, chunks, chunk = key.threads, dims.chunks, dims.chunk
+
+    @T.macro
+    def gather(cand, cand_count, r, count, lkey, lcol, offs, sums):
+        """The row's list from the chunks' entries (``count <= cap`` in all), in chunk order: each thread finds the
+        chunk of its entry by a binary search over the chunks' offsets. Ends at a barrier."""
+        tx = T.get_thread_binding()
+        mine = T.alloc_local((1,), T.int32)
+        excl = T.alloc_local((1,), T.int32)
+        total = T.alloc_local((1,), T.int32)
+        c = T.alloc_local((1,), T.int32)
+        mine[0] = 0
+        if tx < chunks:
+            mine[0] = T.atomic_load(cand_count[r, T.min(tx, chunks - 1)], memory_order="relaxed")
+        parts.block_scan(mine, excl, total, sums)
+        offs[tx] = excl[0]
+        T.sync_threads()
+        for it in T.serial(T.ceildiv(count, threads)):
+            if it * threads + tx < count:
+                c[0] = 0  # the last chunk whose entries start at or before this one (offsets never decrease)
+                for step in _lifts(threads):
+                    if c[0] + step < chunks and offs[T.min(c[0] + step, threads - 1)] <= it * threads + tx:
+                        c[0] = c[0] + step
+                lkey[it * threads + tx] = T.reinterpret(T.atomic_load(
+                    cand[r, c[0], 0, T.min(it * threads + tx - offs[c[0]], chunk - 1)], memory_order="relaxed"),
+                    T.uint32)
+                lcol[it * threads + tx] = T.atomic_load(
+                    cand[r, c[0], 1, T.min(it * threads + tx - offs[c[0]], chunk - 1)], memory_order="relaxed")
+        T.sync_threads()
+
+    return gather
+
+
+def _select_stage(key: TopkSplitKey, parts: _Parts, dims: _Dims):
+    """The body of the split select stage: each chunk's list entries into ``cand``; the row's last CTA gathers them
+    and writes the row. Rows of at most ``cap`` candidates are done by chunk 0 alone."""
+    k, cap, page, threads, chunks = key.k, key.cap, key.page_size, key.threads, dims.chunks
+    chunk_bounds, gather = _chunk_macro(dims), _gather_macro(key, parts, dims)
+
+    @T.macro
+    def select_stage(logits, lengths, starts, page_table, row_request, counters, row_state, cand, cand_count, out):
+        with T.Kernel(chunks, dims.rows, threads=threads) as (bx, by):
+            hist = T.alloc_shared((FIRST_BINS,), T.int32)
+            lkey = T.alloc_shared((cap,), T.uint32)
+            lcol = T.alloc_shared((cap,), T.int32)
+            cnt = T.alloc_shared((2, parts.entries + 1), T.int32)
+            sums = T.alloc_shared((parts.warps,), T.int32)
+            offs = T.alloc_shared((threads,), T.int32)
+            state = T.alloc_shared((STATE_WORDS,), T.int32)
+            bounds = T.alloc_local((5,), T.int32)
+            top = T.alloc_local((3,), T.int32)  # the top digit, the keys above it, the list's length
+            found = T.alloc_local((1,), T.int32)
+            req = T.alloc_local((1,), T.int32)
+            use_list = T.alloc_local((1,), T.int32)
+            finishes = T.alloc_local((1,), T.int32)  # this CTA writes the row's selection
+            tx = T.get_thread_binding()
+            row = T.cast(by, T.int64)
+            _row_bounds(lengths, starts, by, dims.width, bounds)
+            start, lo, hi = bounds[0], bounds[1], bounds[2]
+            req[0] = _request_of(by, dims.rows, row_request, dims.requests) if page else 0
+            paging = (page_table, req[0], dims.requests, dims.max_pages)
+            finishes[0] = 0
+            use_list[0] = 1
+            if hi - lo <= k:
+                if bx == 0:
+                    parts.copy_row(out, row, lo, hi - lo, start, paging)
+            elif hi - lo <= cap:
+                if bx == 0:  # the row fits the list: chunk 0 selects it alone
+                    parts.whole_row(logits, row, lo, hi - lo, lkey, lcol, hist, state, sums)
+                    top[0] = state[DIGIT]
+                    top[1] = state[ABOVE]
+                    top[2] = hi - lo
+                    finishes[0] = 1
+            else:
+                for i in T.unroll(3):
+                    top[i] = row_state[by, i]
+                top[2] = top[1] + top[2]  # the list's length
+                chunk_bounds(lo, hi, bx, bounds)
+                found[0] = 0
+                if bounds[4] > bounds[3]:
+                    parts.collect(logits, row, bounds[3], bounds[4], T.cast(top[0], T.uint32) << FIRST_SHIFT, None,
+                                  cand, (by, bx), dims.chunk, cnt, found)
+                if tx == 0:
+                    cand_count[by, bx] = found[0]
+                _ticket(counters, by, state)
+                if state[TICKET] == chunks - 1:  # the row's last CTA: every chunk's entries are written
+                    _fence()
+                    if tx == 0:
+                        counters[by, FIRST_BINS] = 0
+                    use_list[0] = T.Select(top[2] <= cap, 1, 0)
+                    if use_list[0] != 0:
+                        gather(cand, cand_count, by, top[2], lkey, lcol, offs, sums)
+                    finishes[0] = 1
+            if finishes[0] != 0:
+                T.sync_threads()  # state is read
+                parts.finish(use_list[0], logits, row, lo, hi, lkey, lcol, top[2], top[0], top[1], hist, state, sums,
+                             cnt, out, row, start, paging)
+                parts.pad(out, row)
+
+    return select_stage
+
+
+def _select_entry(select_stage, key, logits_t, vec_t, table_t, scratch, out_t):
+    """The prim_func of the split select stage with the arguments ``key`` asks for."""
+    counters_t, state_t, cand_t, count_t = scratch
+    variant = (key.has_starts, bool(key.page_size), key.has_row_request)
+    if variant == (False, False, False):
+
+        @T.prim_func
+        def topk_split_select(logits: logits_t, lengths: vec_t, counters: counters_t, row_state: state_t,
+                              cand: cand_t, cand_count: count_t, out: out_t):
+            select_stage(logits, lengths, None, None, None, counters, row_state, cand, cand_count, out)
+
+    elif variant == (True, False, False):
+
+        @T.prim_func
+        def topk_split_select(logits: logits_t, lengths: vec_t, starts: vec_t, counters: counters_t,
+                              row_state: state_t, cand: cand_t, cand_count: count_t, out: out_t):
+            select_stage(logits, lengths, starts, None, None, counters, row_state, cand, cand_count, out)
+
+    elif variant == (False, True, False):
+
+        @T.prim_func
+        def topk_split_select(logits: logits_t, lengths: vec_t, page_table: table_t, counters: counters_t,
+                              row_state: state_t, cand: cand_t, cand_count: count_t, out: out_t):
+            select_stage(logits, lengths, None, page_table, None, counters, row_state, cand, cand_count, out)
+
+    elif variant == (True, True, False):
+
+        @T.prim_func
+        def topk_split_select(logits: logits_t, lengths: vec_t, starts: vec_t, page_table: table_t,
+                              counters: counters_t, row_state: state_t, cand: cand_t, cand_count: count_t,
+                              out: out_t):
+            select_stage(logits, lengths, starts, page_table, None, counters, row_state, cand, cand_count, out)
+
+    elif variant == (False, True, True):
+
+        @T.prim_func
+        def topk_split_select(logits: logits_t, lengths: vec_t, page_table: table_t, row_request: vec_t,
+                              counters: counters_t, row_state: state_t, cand: cand_t, cand_count: count_t,
+                              out: out_t):
+            select_stage(logits, lengths, None, page_table, row_request, counters, row_state, cand, cand_count,
+                         out)
+
+    else:
+
+        @T.prim_func
+        def topk_split_select(logits: logits_t, lengths: vec_t, starts: vec_t, page_table: table_t,
+                              row_request: vec_t, counters: counters_t, row_state: state_t, cand: cand_t,
+                              cand_count: count_t, out: out_t):
+            select_stage(logits, lengths, starts, page_table, row_request, counters, row_state, cand, cand_count,
+                         out)
+
+    return topk_split_select
+
+
+def _lifts(n: int) -> tuple[int, ...]:
+    """The steps of a binary search over n entries by lifting: the powers of two below n, largest first."""
+    return tuple(1 << b for b in reversed(range(max(n - 1, 1).bit_length())))
