@@ -26,7 +26,7 @@ GROUP = 32  # threads of a group
 GROUPS = THREADS // GROUP
 STEPS = 4  # rows each group of the byte gather copies in turn
 ROWS_PER_GROUP = 2  # rows a group (de)quantizes at once, their loads in flight together (stores: 2 and 4 measured
-# alike at GLM rows, 4 slower at DeepSeek rows; BENCHMARKS.md, thirty-second session)
+# alike at GLM rows, 4 slower at DeepSeek rows on an H200)
 ROWS_PER_BLOCK = GROUPS * STEPS  # rows per block (byte gather)
 POW2_ROUND_UP = 0x7FFFFF  # added to a positive float32's bits, then masked: round up to 2^k
 EXPONENT_MASK = -0x800000  # 0xFF800000 as int32: sign and exponent bits
@@ -75,7 +75,7 @@ def _group_row(bx, tx, r):
     return (bx * GROUPS + tx // GROUP) * ROWS_PER_GROUP + r
 
 
-def build_quant(layout: KCacheLayout, *, round_scale: bool, scatter: bool, slot_dtype: str = "int32"):
+def build_quant(layout: KCacheLayout, *, round_scale: bool, scatter: bool, slot_dtype: str = "int32"):  # noqa: C901 (one body, layout cases)
     """Quantize K rows into packed rows.
 
     scatter=False (``quant_k_cache``): ``(k_nope [N, d_nope] bf16, [k_rope [N, d_rope] bf16,]
@@ -86,8 +86,8 @@ def build_quant(layout: KCacheLayout, *, round_scale: bool, scatter: bool, slot_
 
     A group of 32 lanes writes whole rows, :data:`ROWS_PER_GROUP` of them, whose k rows (and slot ids) it loads
     before it quantizes any: :func:`quant_vector` values a lane (so 16 or 32 lanes a tile), one tile's amax by a
-    butterfly among its lanes. Grid: ``ceil(N / (4 * ROWS_PER_GROUP))``. Measured (H200, BENCHMARKS.md,
-    thirty-second session): ``store_k_cache`` of 1M GLM rows 298.5 against 378.5 us with a group per tile of 4
+    butterfly among its lanes. Grid: ``ceil(N / (4 * ROWS_PER_GROUP))``. Measured (H200):
+    ``store_k_cache`` of 1M GLM rows 298.5 against 378.5 us with a group per tile of 4
     values a lane; DeepSeek rows 595.1 against 747.1 us.
     """
     d_nope, d_rope, row_bytes = layout.d_nope, layout.d_rope, layout.row_bytes
@@ -203,7 +203,7 @@ def build_dequant(layout: KCacheLayout, *, gather: bool, slot_dtype: str = "int3
 
     As :func:`build_quant`: a group of 32 lanes reads whole rows, :func:`quant_vector` values a lane, and loads the
     values, scales and tails of :data:`ROWS_PER_GROUP` rows before it widens any; an invalid id loads nothing.
-    Grid: ``ceil(M / (4 * ROWS_PER_GROUP))``. Measured (H200, BENCHMARKS.md, thirty-second session, run GY): 1M
+    Grid: ``ceil(M / (4 * ROWS_PER_GROUP))``. Measured (H200): 1M
     GLM rows 199 against 230 us with a group per tile of 4 values a lane, gathered 224 against 281.
     """
     d_nope, d_rope, d_qk, row_bytes = layout.d_nope, layout.d_rope, layout.d_qk, layout.row_bytes

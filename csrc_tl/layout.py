@@ -6,7 +6,8 @@ One row of the latent KV cache, as the serving stack stores it::
     row_bytes = d_nope + 4 * d_nope / 128 + 2 * d_rope
 
 Each 128-wide tile of the NoPE latent has its own float32 scale; the RoPE tail is stored
-unquantized. DeepSeek V3.2 rows are 656 bytes (512 + 64), GLM-5.3-Flash rows 528 bytes (512 + 0), the 256 + 0 geometry 264 bytes.
+unquantized. DeepSeek V3.2 rows are 656 bytes (512 + 64), GLM-5.3-Flash rows 528 bytes (512 + 0),
+the 256 + 0 geometry 264 bytes.
 """
 
 from __future__ import annotations

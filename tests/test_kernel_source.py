@@ -1,5 +1,8 @@
 """Generated kernel sources on the CPU: CUDA (sm_90a) and HIP (gfx950) lowering of every kernel
-family, zero-width tails compiled out, and nvcc compiling the CUDA sources for sm_90a."""
+family, zero-width tails compiled out, and nvcc compiling the CUDA sources for sm_90a.
+
+The default run lowers a representative kernel of each family and target; the whole sweep carries the
+``lowering`` marker (``pytest -m lowering``), which CI runs as its own step."""
 
 import functools
 import math
@@ -18,6 +21,16 @@ from tests.test_cuda import at_offset, attn_suite_keys
 LAYOUTS = {"656": KCacheLayout(512, 64), "264": KCacheLayout(256, 0)}
 CACHE_OPS = ["quant_k_cache", "store_k_cache", "dequant_k_cache", "gather_k_cache", "gather_dequant_k_cache"]
 ATTN = {"glm-256+0-h64": (256, 0, 64), "deepseek-512+64-h128": (512, 64, 128), "512+0-h16": (512, 0, 16)}
+LOWERING = pytest.mark.lowering
+
+
+def sweep(values, keep=lambda v: False, ids=None):
+    """``values`` as parameters, each but those ``keep`` accepts marked as part of the lowering sweep."""
+    def param(v):
+        return pytest.param(*v, marks=LOWERING) if isinstance(v, tuple) else pytest.param(v, marks=LOWERING,
+                                                                                          id=ids(v) if ids else None)
+
+    return [v if keep(v) else param(v) for v in values]
 
 
 @functools.cache
@@ -29,6 +42,7 @@ def _gpu(name: str, *args):
     return impl(OPS[name].check(*args), *args) if getattr(impl, "takes_checked", False) else impl(*args)
 
 
+@functools.cache
 def source(key: _cuda.KernelKey, target: str) -> str:
     return _cuda.lower_source(key, target)
 
@@ -48,9 +62,9 @@ def kernel_body(src: str) -> str:
     return src[src.index('extern "C"'):]
 
 
-@pytest.mark.parametrize("target", ["cuda", "hip"])
-@pytest.mark.parametrize("width", LAYOUTS)
-@pytest.mark.parametrize("op", CACHE_OPS)
+@pytest.mark.parametrize("op, width, target", sweep(
+    [(op, w, t) for op in CACHE_OPS for w in LAYOUTS for t in ("cuda", "hip")],
+    keep=lambda c: c[1:] == ("656", "cuda") or c == ("store_k_cache", "264", "hip")))
 def test_cache_sources(op, width, target):
     src = source(cache_key(op, width), target)
     assert "__global__" in src and f"{op}_kernel" in src
@@ -62,10 +76,12 @@ def test_cache_sources(op, width, target):
         assert ("tails" in kernel_body(src)) == (LAYOUTS[width].d_rope > 0)
 
 
-@pytest.mark.parametrize("target", ["cuda", "hip"])
-@pytest.mark.parametrize("lay, vec", [(KCacheLayout(256, 0), 8), (KCacheLayout(512, 64), 8), (KCacheLayout(384, 2), 8),
-                                      (KCacheLayout(256, 2), 4), (KCacheLayout(384, 0), 4)], ids=str)
-@pytest.mark.parametrize("op", ["quant_k_cache", "store_k_cache"])
+@pytest.mark.parametrize("target", ["cuda", pytest.param("hip", marks=LOWERING)])
+@pytest.mark.parametrize("lay, vec", [(KCacheLayout(256, 0), 8), (KCacheLayout(512, 64), 8),
+                                      pytest.param(KCacheLayout(384, 2), 8, marks=LOWERING),
+                                      (KCacheLayout(256, 2), 4),
+                                      pytest.param(KCacheLayout(384, 0), 4, marks=LOWERING)], ids=str)
+@pytest.mark.parametrize("op", ["quant_k_cache", pytest.param("store_k_cache", marks=LOWERING)])
 def test_quant_kernels_write_whole_rows(op, lay, vec, target):
     # a group of 32 lanes quantizes whole rows, `vec` values a lane: one store of `vec` FP8 bytes (8 where
     # the rows keep 8-byte alignment), the tile's amax by a butterfly among its 128 / vec lanes (shuffle
@@ -95,9 +111,11 @@ def test_quant_kernels_refuse_odd_tails(launches, op):
     assert not launches
 
 
-@pytest.mark.parametrize("target", ["cuda", "hip"])
-@pytest.mark.parametrize("kind", ["bf16", "packed", "fp8"])
-@pytest.mark.parametrize("name", ATTN)
+@pytest.mark.parametrize("name, kind, target", sweep(
+    [(n, k, t) for n in ATTN for k in ("bf16", "packed", "fp8") for t in ("cuda", "hip")],
+    keep=lambda c: c in {("deepseek-512+64-h128", "packed", "cuda"), ("glm-256+0-h64", "fp8", "cuda"),
+                         ("512+0-h16", "bf16", "cuda"), ("deepseek-512+64-h128", "packed", "hip"),
+                         ("glm-256+0-h64", "bf16", "hip")}))
 def test_attention_sources(name, kind, target):
     keys = attn_keys(name, kind, target=target)
     # the warp-specialized kernels are CUDA-only; under 64 heads they pad the head block (512+0-h16)
@@ -226,18 +244,23 @@ def test_topk_length_variant_takes_the_lengths():
 
 
 NVCC = shutil.which("nvcc")
+# the warp-specialized kernels of the GPU suite the default run lowers: prefill and split decode of each kv kind
+SUITE_WS_SAMPLE = {*attn_keys("deepseek-512+64-h128", "packed")[:2], attn_keys("glm-256+0-h64", "fp8")[0],
+                   attn_keys("deepseek-512+64-h128", "bf16")[1]}
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
 @pytest.mark.parametrize(
     "key",
-    [cache_key("store_k_cache", "656", "int64"), cache_key("quant_k_cache", "264"),
-     cache_key("gather_dequant_k_cache", "264"),
-     *attn_keys("glm-256+0-h64", "bf16"), *attn_keys("deepseek-512+64-h128", "packed", has_len=True)[:2],
-     *attn_keys("deepseek-512+64-h128", "fp8")[:2], attn_keys("deepseek-512+64-h128", "bf16")[0],
-     attn_keys("deepseek-512+64-h128", "bf16", has_len=True)[0], attn_keys("glm-256+0-h64", "fp8", has_len=True)[0],
-     attn_keys("glm-256+0-h64", "packed")[0], attn_keys("512+0-h16", "packed")[0],
-     attn_keys("512+0-h16", "packed", has_len=True)[1]],
+    [cache_key("store_k_cache", "656", "int64"),
+     attn_keys("deepseek-512+64-h128", "packed", has_len=True)[0],
+     *sweep([cache_key("quant_k_cache", "264"), cache_key("gather_dequant_k_cache", "264"),
+             *attn_keys("glm-256+0-h64", "bf16"), attn_keys("deepseek-512+64-h128", "packed", has_len=True)[1],
+             *attn_keys("deepseek-512+64-h128", "fp8")[:2], attn_keys("deepseek-512+64-h128", "bf16")[0],
+             attn_keys("deepseek-512+64-h128", "bf16", has_len=True)[0],
+             attn_keys("glm-256+0-h64", "fp8", has_len=True)[0], attn_keys("glm-256+0-h64", "packed")[0],
+             attn_keys("512+0-h16", "packed")[0], attn_keys("512+0-h16", "packed", has_len=True)[1]],
+            ids=lambda k: k.name)],
     ids=lambda k: k.name,
 )
 def test_cuda_sources_compile_for_sm90a(key, tmp_path):
@@ -261,20 +284,21 @@ def test_cuda_sources_compile_for_sm90a(key, tmp_path):
     if key.family.startswith("attn_"):
         # a block's output is scaled by one reciprocal per row, not divided element by element: the
         # IEEE divisions (div.rn.f32, 128 to 256 per kernel) took ~2.5 us at the end of every block on
-        # an H200 (BENCHMARKS.md, tenth session)
+        # an H200
         ptx = (tmp_path / "k.ptx").read_text()
         assert "div.rn.f32" not in ptx
     if key.family.endswith("_ws"):
         # the warp-specialized kernels are built with fast math: each exp2 one ex2.approx.ftz, not the
-        # IEEE form with its handling of subnormal results (BENCHMARKS.md, fifteenth session)
+        # IEEE form with its handling of subnormal results
         assert fast and "ex2.approx.ftz.f32" in ptx and not re.search(r"ex2\.approx\.f32", ptx)
 
 
-@pytest.mark.parametrize("key", [k for k in attn_suite_keys("cuda") if k.family.endswith("_ws")], ids=lambda k: k.name)
+@pytest.mark.parametrize("key", sweep([k for k in attn_suite_keys("cuda") if k.family.endswith("_ws")],
+                                     keep=lambda k: k in SUITE_WS_SAMPLE, ids=lambda k: k.name), ids=lambda k: k.name)
 def test_gpu_suite_ws_kernels_lower(key):
     # every warp-specialized kernel the GPU suite runs lowers for sm_90a on the CPU: TileLang's barrier
     # planner refuses some loop forms in some geometries only ("Cannot lower a required shared-memory
-    # sync inside a divergent region"; the eighth session met it at 256+0 native FP8, 128 heads)
+    # sync inside a divergent region", met at 256+0 native FP8, 128 heads)
     body = kernel_body(source(key, "cuda"))
     assert body.count("warpgroup_reg_") == 3 and "wgmma_ss<" in body
 
@@ -283,11 +307,12 @@ def test_gpu_suite_ws_kernels_lower(key):
 UNNAMED_BUFFER = re.compile(r"(?:void\*|auto|uint64_t)\s+v(?:_\d+)?(?:_mem)?\b")
 
 
-@pytest.mark.parametrize("key", [k for k in attn_suite_keys("cuda") if k.family.endswith("_ws")], ids=lambda k: k.name)
+@pytest.mark.parametrize("key", sweep([k for k in attn_suite_keys("cuda") if k.family.endswith("_ws")],
+                                     keep=lambda k: k in SUITE_WS_SAMPLE, ids=lambda k: k.name), ids=lambda k: k.name)
 def test_every_shared_buffer_has_a_name(key):
     # TileLang numbers buffers of the same (default) name in an order that changes from one process to
     # the next, and the generated kernel changes with it: which raw stage sits where in shared memory,
-    # and in some kernels where the producer's barriers go (twenty-fifth session: 7 of the GPU suite's 62
+    # and in some kernels where the producer's barriers go (7 of the GPU suite's 62
     # warp-specialized kernels differed between three processes, none after the raw stages got names)
     assert not UNNAMED_BUFFER.search(source(key, "cuda"))
 
