@@ -79,7 +79,7 @@ def plan_splits(tokens: int, heads: int, topk: int, sm_count: int, min_blocks: i
     blocks doubles the time) while every split keeps at least ``min_blocks`` top-k blocks; then the
     fewest splits with as few blocks per split. GLM decode T 17 (33 blocks) takes 7 splits of 5 blocks
     (the last one 3): the split kernels walk no padding block (H200: 18.1 against 18.8 us over packed
-    rows for 6 splits of 3 pairs; BENCHMARKS.md, eleventh session). (Head blocks are counted the same
+    rows for 6 splits of 3 pairs; BENCHMARKS.md). (Head blocks are counted the same
     for the portable kernels and for the warp-specialized ones, whose blocks are always 64 heads: both
     give one block per token up to 32 heads and 64-head blocks above.)"""
     blocks = tokens * math.ceil(heads / head_block(heads))
@@ -97,7 +97,7 @@ def plan_splits(tokens: int, heads: int, topk: int, sm_count: int, min_blocks: i
 # for a whole item while the others idle: its tokens take the split path instead, where that splits their top-k
 # ranges in TAIL_MIN_SPLITS parts or more and they have TAIL_MIN_BLOCKS top-k blocks or more (a shorter item, or
 # one split in two, takes about as long as the split path's own cost: a second kernel, the combine, the partials).
-# Measured (H200, BENCHMARKS.md, thirty-first session, runs GL, GP and GQ), GLM packed prefill: T 4096 at 64 heads
+# Measured (H200, BENCHMARKS.md), GLM packed prefill: T 4096 at 64 heads
 # (last 4 tokens in 16 splits) 1435-1440 against 1464-1474 us, at 8 heads 1379-1382 against 1413-1414; T 8192 (last
 # 8) 2889-2946 against 2901-2975 in five rounds; top-k 1024 762-763 against 768-774; top-k 512 425-427 against
 # 426-427; T 4136 (last 44 in 3 splits) 1462-1489 against 1471-1476; T 4150 (last 58 in 2) 1476-1500 against

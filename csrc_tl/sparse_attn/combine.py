@@ -1,0 +1,105 @@
+"""The combine of a split decode: merges the normalized partials and LSEs of the splits."""
+
+import tilelang.language as T
+
+COMBINE_THREADS = 128
+COMBINE_VEC = 8  # bf16 partial columns a combine thread loads at once (16 bytes)
+# Splits whose partials a combine thread loads before it uses any (per chunk of splits): the loads of a
+# chunk are in flight together, so a decode of up to this many splits reads its partials in one memory
+# round trip. The first combine looped over the splits one load after another (H200: ~2-3.5 us of a
+# GLM decode after the split kernel; BENCHMARKS.md).
+COMBINE_CHUNK = 16
+
+
+def build_combine(d_v: int, heads: int, part_heads: int, pdl: bool = False):
+    """Merge split partials: ``(part_out [T, NS, part_heads, d_v] bf16, part_lse [T, NS, H] f32,
+    out [T, H, d_v] bf16, lse [T, H] f32)``; splits with lse -inf weigh nothing, and if all are -inf out
+    is 0 and lse -inf.
+
+    A head's row takes ``d_v / 8`` threads (several heads per block where that is under a block), each
+    loading 8 columns; a thread loads the LSEs and columns of :data:`COMBINE_CHUNK` splits at once and
+    folds the chunks into a running max (any NS works; splits past NS in the last chunk load nothing and
+    weigh 0). With ``pdl`` (sm_90 CUDA only) the kernel is launched as a programmatic
+    dependent of the split kernel before it (see :func:`build_attn_ws`) and waits for it to complete
+    before it reads; then it lets the kernel after it launch (a programmatic dependent must wait
+    likewise before it reads this one's output; kernels launched plainly wait for completion anyway)."""
+    assert d_v % COMBINE_VEC == 0, "d_v must be a multiple of 8"
+    assert part_heads >= heads, f"partials of {part_heads} head rows cannot hold {heads} heads"
+    t_count, n_split = T.dynamic("t"), T.dynamic("ns")
+    lanes = d_v // COMBINE_VEC  # 16-byte column vectors in a row
+    row_threads = min(lanes, COMBINE_THREADS)
+    vecs = T.ceildiv(lanes, row_threads)  # column vectors per thread
+    per_block = COMBINE_THREADS // row_threads  # heads per block
+    chunk = max(1, COMBINE_CHUNK // vecs)  # keeps a thread's loaded columns at 64 registers or fewer
+    neg_inf = -T.infinity(T.float32)
+
+    @T.prim_func
+    def combine(part_out: T.Tensor((t_count, n_split, part_heads, d_v), T.bfloat16),
+                part_lse: T.Tensor((t_count, n_split, heads), T.float32),
+                out: T.Tensor((t_count, heads, d_v), T.bfloat16), lse: T.Tensor((t_count, heads), T.float32)):
+        with T.Kernel(T.ceildiv(heads, per_block), t_count, threads=COMBINE_THREADS) as (hx, t):
+            if pdl:
+                T.pdl_sync()
+                # the kernel after this one may launch now (the next decode's split kernel, which waits
+                # for this one's completion and memory before it reads anything). Measured (H200,
+                # BENCHMARKS.md, with the split kernel's trigger after its stores):
+                # GLM packed decode T 17 14.5-14.7 against 14.8-15.2 us, T 1 8.0-8.2 against 8.3-8.5
+                T.pdl_trigger()
+            tx = T.get_thread_binding()
+            h = hx * per_block + tx // row_threads
+            lane = tx % row_threads
+            hc = T.min(h, heads - 1)  # threads past the last head (or row) load a real row and store nothing
+            top = T.alloc_local((1,), T.float32)  # running max of the LSEs
+            new_top = T.alloc_local((1,), T.float32)
+            total = T.alloc_local((1,), T.float32)  # sum of exp(lse - top)
+            acc = T.alloc_local((vecs, COMBINE_VEC), T.float32)
+            w = T.alloc_local((chunk,), T.float32)
+            vals = T.alloc_local((chunk, vecs, COMBINE_VEC), T.bfloat16)
+            top[0] = neg_inf
+            total[0] = 0.0
+            for c in T.unroll(vecs):
+                for v in T.unroll(COMBINE_VEC):
+                    acc[c, v] = 0.0
+            for ck in T.serial(T.ceildiv(n_split, chunk)):
+                # every load of the chunk first
+                for i in T.unroll(chunk):
+                    sp = ck * chunk + i
+                    w[i] = neg_inf
+                    for c in T.unroll(vecs):
+                        for v in T.unroll(COMBINE_VEC):
+                            vals[i, c, v] = 0.0  # weighs 0: must not be a NaN left in a register
+                    if sp < n_split:
+                        w[i] = part_lse[t, sp, hc]
+                        for c in T.unroll(vecs):
+                            col = T.min((c * row_threads + lane) * COMBINE_VEC, d_v - COMBINE_VEC)
+                            for v in T.vectorized(COMBINE_VEC):
+                                vals[i, c, v] = part_out[t, sp, hc, col + v]
+                new_top[0] = top[0]
+                for i in T.unroll(chunk):
+                    new_top[0] = T.max(new_top[0], w[i])
+                if new_top[0] != neg_inf:  # else every split so far is empty: nothing to add
+                    # exp(-inf - finite) is 0: the first non-empty chunk rescales the empty start to 0
+                    total[0] = total[0] * T.exp(top[0] - new_top[0])
+                    for c in T.unroll(vecs):
+                        for v in T.unroll(COMBINE_VEC):
+                            acc[c, v] = acc[c, v] * T.exp(top[0] - new_top[0])
+                    for i in T.unroll(chunk):
+                        w[i] = T.exp(w[i] - new_top[0])
+                        total[0] = total[0] + w[i]
+                        for c in T.unroll(vecs):
+                            for v in T.unroll(COMBINE_VEC):
+                                acc[c, v] = acc[c, v] + w[i] * T.cast(vals[i, c, v], T.float32)
+                    top[0] = new_top[0]
+            # one reciprocal per row (total is at least 1 unless every split is empty)
+            total[0] = T.if_then_else(top[0] != neg_inf, 1.0 / total[0], 0.0)
+            if h < heads:
+                for c in T.unroll(vecs):
+                    col = (c * row_threads + lane) * COMBINE_VEC
+                    if col < d_v:
+                        for v in T.vectorized(COMBINE_VEC):
+                            out[t, h, col + v] = T.cast(acc[c, v] * total[0], T.bfloat16)
+                if lane == 0:
+                    lse[t, h] = T.if_then_else(top[0] != neg_inf, top[0] - T.log(total[0]), neg_inf)
+
+    return combine
+

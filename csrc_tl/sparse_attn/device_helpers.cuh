@@ -1,0 +1,141 @@
+// Device helpers of the warp-specialized sparse-attention kernels (csrc_tl/sparse_attn/ws_kernel.py).
+// The kernel builder reads this file by sections: the text after a `// section: NAME` line up to the next one is
+// injected verbatim into a kernel's prelude when its plan needs that helper (see csrc_tl/sparse_attn/device.py), so
+// the generated source depends on every byte of a section, blank lines included.
+// section: row_sums
+
+__device__ __forceinline__ float* dsa_row_sums() { __shared__ float sums[2 * 64]; return sums; }
+__device__ __forceinline__ void dsa_put_row_sum(int i, float v) { dsa_row_sums()[i] = v; }
+__device__ __forceinline__ float dsa_row_sum(int i) { return dsa_row_sums()[i]; }
+// section: convert
+
+__device__ __forceinline__ unsigned dsa_bf16x2(unsigned short fp8x2, float scale, bool scaled) {
+  unsigned h, r;
+  float lo, hi;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(fp8x2));
+  asm("{.reg .f16 a, b; mov.b32 {a, b}, %2; cvt.f32.f16 %0, a; cvt.f32.f16 %1, b;}" : "=f"(lo), "=f"(hi) : "r"(h));
+  if (scaled) { lo *= scale; hi *= scale; }
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+// 8 FP8 values (two 32-bit words) to 8 bf16 values (16 bytes)
+__device__ __forceinline__ uint4 dsa_widen8(unsigned w0, unsigned w1, float scale, bool scaled) {
+  return make_uint4(dsa_bf16x2(w0 & 0xffff, scale, scaled), dsa_bf16x2(w0 >> 16, scale, scaled),
+                    dsa_bf16x2(w1 & 0xffff, scale, scaled), dsa_bf16x2(w1 >> 16, scale, scaled));
+}
+// section: widen
+
+// Chunks of 16 FP8 values, each given as (raw, d0, d1, scale): raw points to its 16 raw values, d0 and
+// d1 to the two 8-value bf16 halves it takes widened in a stage.
+// Every chunk's raw values are loaded before any chunk is stored, so the shared-memory loads are in
+// flight together. kSync: in place, where other lanes of the warp widen over a chunk's raw values
+// (ws_inplace_raw_col), the warp synchronizes between its lanes' loads and their stores.
+template <bool kScaled, bool kSync>
+__device__ __forceinline__ void dsa_widen() {
+  if constexpr (kSync) __syncwarp();
+}
+template <bool kScaled, bool kSync, typename... Rest>
+__device__ __forceinline__ void dsa_widen(const void* raw, void* d0, void* d1, float scale, Rest... rest) {
+  uint4 v = *reinterpret_cast<const uint4*>(raw);
+  dsa_widen<kScaled, kSync>(rest...);
+  *reinterpret_cast<uint4*>(d0) = dsa_widen8(v.x, v.y, scale, kScaled);
+  *reinterpret_cast<uint4*>(d1) = dsa_widen8(v.z, v.w, scale, kScaled);
+}
+// wait until at most n of this thread's cp.async groups are pending (n a constant after unrolling)
+__device__ __forceinline__ void dsa_cp_async_wait(int n) {
+  switch (n) {
+    case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
+    case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
+    case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
+    case 3: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
+    default: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
+  }
+}
+// the 8 raw FP8 tail values at the start of a 16-byte tail chunk, widened over it
+__device__ __forceinline__ void dsa_widen_tail_inplace(void* t) {
+  uint2 raw = *reinterpret_cast<const uint2*>(t);
+  *reinterpret_cast<uint4*>(t) = dsa_widen8(raw.x, raw.y, 1.0f, false);
+}
+// section: copy
+
+// Stores and copies of the in-place and halves producers addressed with T.address_of, out of sight
+// of TileLang's barrier planner (see produce_inplace): a flag, and a cp.async of N bytes (zeros where
+// pred is false).
+__device__ __forceinline__ void dsa_put_flag(int* p, int v) { *p = v; }
+template <int N>
+__device__ __forceinline__ void dsa_cp_async(void* smem, const void* gmem, bool pred) {
+  unsigned a = (unsigned)__cvta_generic_to_shared(smem);
+  if constexpr (N == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(a), "l"(gmem), "r"(pred ? 16 : 0) : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;"
+                 :: "r"(a), "l"(gmem), "n"(N), "r"(pred ? N : 0) : "memory");
+  }
+}
+// section: bulk
+
+// A packed row's kBytes FP8 values (rows 8-byte aligned, at least 8 bytes of scales after the values) by
+// one bulk copy into its raw slot (16-byte aligned). A row whose start lies 8 bytes past a 16-byte
+// boundary is copied from that boundary, kBytes + 16 bytes (the previous row's scales first, its own
+// last), so its values land 8 bytes into the slot; the pool's first row has no row before it (a pool that
+// starts 8 bytes past a boundary): its first 8 values are stored by the issuing lane itself and the copy
+// starts 8 bytes into the row. The issuing lane arrives on `bar` expecting the copy's bytes (an invalid
+// row: a plain arrival). Every lane returns its row's flag: 0 invalid, 1 + (values 8 bytes in).
+template <int kBytes, int kRowBytes>
+__device__ __forceinline__ int dsa_bulk_row(void* slot, const void* pool, int index, void* bar, bool issuer, bool ok) {
+  const char* row = reinterpret_cast<const char*>(pool) + (long long)index * kRowBytes;
+  unsigned shift = (unsigned)(reinterpret_cast<unsigned long long>(row) & 15);
+  if (issuer) {
+    unsigned b = (unsigned)__cvta_generic_to_shared(bar);
+    if (ok) {
+      unsigned s = (unsigned)__cvta_generic_to_shared(slot), n = kBytes + 2 * shift;
+      // (selects, not a branch: with a branch here the prefill took 1545 against 1529 us, BENCHMARKS.md run EZ)
+      bool head = shift != 0 && index == 0;
+      const char* src = head ? row + 8 : row - shift;
+      s += head ? 16 : 0;
+      n = head ? kBytes : n;
+      if (head) *reinterpret_cast<uint2*>(reinterpret_cast<char*>(slot) + 8) = *reinterpret_cast<const uint2*>(row);
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(b), "r"(n) : "memory");
+      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                   :: "r"(s), "l"(src), "r"(n), "r"(b) : "memory");
+    } else {
+      asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(b) : "memory");
+    }
+  }
+  return ok ? 1 + int(shift >> 3) : 0;
+}
+// 16 zero bytes where a lane widens a chunk of an invalid row (its slot holds stale bytes, maybe NaN codes)
+__device__ __forceinline__ void dsa_zero16(void* p, bool ok) {
+  if (!ok) *reinterpret_cast<uint4*>(p) = make_uint4(0u, 0u, 0u, 0u);
+}
+// 16 FP8 values at raw (8-byte aligned: the row may lie 8 bytes into its slot) times scale, widened into 8
+// bf16 values at d0 and 8 at d1 (WS_CONVERT)
+__device__ __forceinline__ void dsa_widen_bulk(const void* raw, void* d0, void* d1, float scale) {
+  const uint2* r = reinterpret_cast<const uint2*>(raw);
+  uint2 a = r[0], b = r[1];
+  *reinterpret_cast<uint4*>(d0) = dsa_widen8(a.x, a.y, scale, true);
+  *reinterpret_cast<uint4*>(d1) = dsa_widen8(b.x, b.y, scale, true);
+}
+// The lanes of a warp (which hold whole rows) are done reading their raw slots through the generic proxy
+// before the bulk copies (async proxy) refill them.
+__device__ __forceinline__ void dsa_bulk_reuse() {
+  __syncwarp();
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+// section: put_bf16
+
+__device__ __forceinline__ void dsa_put_bf16(void* p, float v) {
+  unsigned short b;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(v));
+  *reinterpret_cast<unsigned short*>(p) = b;
+}
+// section: bar_sync
+__device__ __forceinline__ void dsa_bar_sync(int id, int n) {
+  asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(n) : "memory");
+}
+// section: copy16
+__device__ __forceinline__ void dsa_copy16(void* dst, const void* src) {
+  *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+}
+// section: ld_index
+__device__ __forceinline__ int dsa_ld_index(const int* indices, long long offset) { return indices[offset]; }

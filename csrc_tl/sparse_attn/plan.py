@@ -1,0 +1,369 @@
+"""The plan of a warp-specialized sparse-attention kernel (:func:`csrc_tl.sparse_attn.build_attn_ws`): which producer
+scheme gathers the top-k rows, how the consumer warpgroups share a block, the stages, the persistence and every size
+derived from them, decided once by :func:`ws_plan` from the kernel's key. The kernel's modules read the plan and
+decide nothing again.
+
+Producer schemes: bf16 rows are copied by cp.async straight into a stage (``copies_async``; over 64-row blocks of
+paired consumers in stage halves, ``halves``); FP8 rows with room for raw stages are copied raw and widened
+shared-to-shared (``staged``, packed rows of the prefill by TMA bulk copies, ``bulk``); other FP8 rows are widened in
+their bf16 stage (``inplace``; over packed rows consumer warpgroup 1 widens the last pass of each block,
+``wg1_widens``). Consumer schemes: ``paired`` (the two consumer warpgroups score the blocks of a pair side by side)
+or single (warpgroup 0 scores every block).
+"""
+
+from dataclasses import dataclass
+
+from ..layout import QUANT_TILE
+from . import device
+from .geometry import LOG2E, MAX_HEAD_BLOCK, AttnGeometry
+
+# setmaxnreg budgets per thread (consumer warpgroup 0, consumer warpgroup 1, each producer
+# warpgroup), by consumer scheme (see build_attn_ws) and producer count. They must fit the registers
+# the CTA launched with: 3 x 168 with one producer (a request beyond that hangs the kernel), 4 x 128
+# with two; the consumers' budgets are increases from the launch count and the producers' decreases
+# (a consumer budget below it is an illegal instruction: H200).
+# The in-place producer (512+64 FP8 rows) keeps the copies of WS_INPLACE_AHEAD passes in flight: at 80
+# registers ptxas spilled 12-16 bytes in its kernels with topk_length (CPU test), at 88 none. Where
+# consumer warpgroup 1 widens a pass of each block too ("inplace_wg1", see build_attn_ws), it holds its
+# 64 x 256 accumulator while it widens: at 168 it spilled, at 184 none (sm_90a, 16 and 128 heads); the
+# producer spilled 20 bytes at 88 over 512+0 rows, at 96 none. The split kernels over 512+0 rows keep the old scheme:
+# with topk_length their producer spilled 20 bytes at 96, and every other split of the 504 registers spilled in some
+# geometry (216 / 184 / 104 and 224 / 176 / 104: 4-8 bytes in the 512+64 split kernels).
+WS_NREG = {("paired", 1): (208, 224, 72), ("single", 1): (240, 168, 80), ("single", 2): (208, 144, 80),
+           ("inplace", 1): (240, 168, 88), ("inplace_wg1", 1): (224, 184, 96)}
+
+
+def check_ws_nreg(nreg: tuple[int, int, int], producers: int) -> None:
+    """Assert that setmaxnreg budgets ``nreg`` (see :data:`WS_NREG`) fit a CTA of two consumer
+    warpgroups and ``producers`` producer warpgroups: each a multiple of 8 in [24, 256], the consumers'
+    at least and the producers' at most the registers a thread launches with, and their total within
+    the CTA's."""
+    launch = 65536 // (128 * (2 + producers)) // 8 * 8  # registers a thread of the CTA launches with
+    assert all(r % 8 == 0 and 24 <= r <= 256 for r in nreg), f"budgets {nreg}: multiples of 8 in [24, 256]"
+    assert nreg[0] >= launch and nreg[1] >= launch and nreg[2] <= launch, f"budgets {nreg} against {launch}"
+    assert nreg[0] + nreg[1] + producers * nreg[2] <= (2 + producers) * launch, f"budgets {nreg} exceed the CTA's"
+
+
+WS_THREADS_PER_ROW = 8
+
+
+def ws_row_lane(tx, quarters: bool):
+    """``(row, lane)`` of producer thread ``tx`` in one pass of :func:`build_attn_ws` (an int or a TIR
+    expression): each row of a pass has eight lanes. Eight consecutive threads take one row, or with
+    ``quarters`` a quarter warp (the eight threads one 16-byte shared-memory access serves at once) takes
+    lanes 0-3 or 4-7 of two adjacent rows.
+
+    Why quarters: a lane of an FP8 row widens 16-value chunks into 32 bytes of the bf16 stage, whose
+    128-byte swizzle puts lanes 0-3 and 4-7 of a row (two 64-wide atoms) on the same banks, so the eight
+    lanes of one row store each 16-byte half in two wavefronts (ncu, GLM packed prefill: STS.128 at
+    twice their ideal wavefronts, 13% of the kernel's shared-memory wavefronts); lanes 0-3 of two rows,
+    which differ in the swizzle's lowest bit, store it in one."""
+    if quarters:
+        return tx // 16 * 2 + tx // 4 % 2, tx % 4 + tx // 8 % 2 * 4
+    return tx // WS_THREADS_PER_ROW, tx % WS_THREADS_PER_ROW
+
+
+def ws_inplace_raw_col(group: int, lane):
+    """Stage column where lane ``lane`` (0-7; an int or a TIR expression) of a row copies its 16 raw FP8
+    values of 128-value ``group`` of a value half, for the in-place producer of :func:`build_attn_ws`.
+    Lane ``l`` widens values ``128 * group + 16 * l`` to ``+ 16`` into the columns of the same numbers, so a
+    group takes two 64-column (128-byte) lines of its row widened; its 128 raw bytes go into the second
+    line, the eight lanes' side by side, and lanes 4-7 widen over them once every lane of the warp has
+    loaded its own (``dsa_widen`` with ``kSync``; the eight lanes of a row are in one warp).
+
+    Why: with each lane's raw bytes in the second half of its own 32 widened bytes, every 16-byte copy
+    took a shared-memory wavefront of its own (ncu, DeepSeek packed decode T 256: 32 wavefronts per
+    warp-wide cp.async where 4 carry its 512 bytes); contiguous, the copies take whole lines. Measured
+    (H200, BENCHMARKS.md): DeepSeek packed decode T 256 381-385 against
+    426-427 us, DeepSeek native FP8 prefill 5092-5148 against 5628-5634 us."""
+    line = 8 * WS_THREADS_PER_ROW  # bf16 columns of one 128-byte line
+    return group * 2 * line + line + lane * 8
+
+
+def ws_block(geo: AttnGeometry, split: bool) -> int:
+    """Top-k rows per block of :func:`build_attn_ws`: 128 for the prefill of narrow bf16 or native FP8
+    rows (two bf16 stages of 128 rows still fit beside q, and for FP8 rows two raw stages of
+    :data:`WS_RAW_ROWS`; halves the score GEMMs' re-reads of q per row) and of narrow packed rows copied
+    by the TMA unit (:func:`ws_bulk`), else 64. The split kernel keeps 64: its splits are whole blocks of
+    the top-k range.
+
+    Measured (H200, BENCHMARKS.md, two rounds): GLM native FP8 prefill
+    1288 against 1422-1424 us at 128-row blocks; GLM packed prefill with cp.async copies 1632-1633 against
+    1582-1585 (at 8 heads 1601-1602 against 1555-1556), so packed rows copied that way keep 64."""
+    if split or geo.d_qk > 256:
+        return 64
+    if geo.kv_kind == "packed":
+        return 128 if ws_bulk(geo, split, 128) else 64
+    return 128 if geo.kv_kind == "bf16" or ws_staged(geo, 128) else 64
+
+
+# (named barrier id, threads) of the two consumer warpgroups together, between the work items of a persistent kernel
+WS_CONSUMER_BARRIER = (13, 256)
+# CTAs of a persistent kernel (build_attn_ws) unless given: the SM count of an H200 or H100 SXM
+DEFAULT_CTAS = 132
+# (named barrier id, threads) of the two consumer warpgroups' partial stores: ids above the few TileLang
+# numbers its own partial syncs with (1-5 in these kernels)
+WS_STORE_BARRIERS = ((14, 128), (15, 128))
+
+SMEM_LIMIT = 227 * 1024  # dynamic shared memory one sm_90 block may use
+# Passes of a block whose copies the in-place producer (produce_inplace in build_attn_ws) issues before it
+# widens the first: the issue of a block's copies takes about as long as their widening (clock64 stamps,
+# DeepSeek packed T 256: 2290 and 2730 cycles a block). Measured (H200, BENCHMARKS.md,
+# one call, two rounds): DeepSeek packed decode T 256 440 against 447 us with every pass issued first,
+# DeepSeek fp8 prefill 5517-5518 against 5572-5589 us; one pass ahead 448 / 5569.
+WS_INPLACE_AHEAD = 2
+# Bytes after each row of a raw FP8 stage (with `quarters` in build_attn_ws): the two rows a quarter
+# warp reads or writes at once then lie on different banks.
+RAW_PAD = 64
+# Rows of a raw FP8 stage: the staged producer fills a bf16 stage of 128 rows from two 64-row raw copies
+# (the second copied while the first is widened), so that two 128-row stages fit beside q.
+WS_RAW_ROWS = 64
+
+
+def ws_supported(geo: AttnGeometry) -> bool:
+    """Whether :func:`build_attn_ws` handles ``geo`` (it also needs an sm_90 CUDA target). Any head
+    count: under 64 heads (tensor-parallel shards: 8 or 16 heads) the block is padded with zero rows of
+    q, and the kernel still takes the time of a 64-head block, which its producer's per-row gather and
+    widening bound, not the GEMMs. The portable kernels over 8- or 16-head blocks took up to 3.7 times as
+    long (in nine of ten cases longer; 1-4% shorter at DeepSeek packed T 1, 16 heads: H200,
+    BENCHMARKS.md)."""
+    # each half of a row takes whole 16-byte chunks of the eight threads of a row: 2 x 8 x 8 bf16
+    # values or 2 x 8 x 16 FP8 values (a narrower FP8 row would leave the producer nothing to do)
+    width = 128 if geo.kv_kind == "bf16" else 256
+    return geo.d_v % width == 0 and geo.d_rope in (0, 64)
+
+
+
+def ws_staged(geo: AttnGeometry, block_i: int = 64) -> bool:
+    """Whether :func:`build_attn_ws` stages FP8 rows raw, for blocks of ``block_i`` rows: the producer
+    copies the next :data:`WS_RAW_ROWS` rows (or the next block, if smaller) into one of two raw shared
+    buffers by cp.async (no registers, no wait) while it widens the current ones shared-to-shared, so
+    the gather runs behind the widening. Needs the raw stages to fit beside q and the two bf16 stages:
+    the 256-wide rows fit (at 128-row blocks too), the 512+64 rows do not (they are widened in place, in
+    their bf16 stage)."""
+    if geo.kv_kind == "bf16":
+        return False
+    hb, d_qk = MAX_HEAD_BLOCK, geo.d_qk
+    # scales go to registers; RAW_PAD is counted for every kernel, though only those with quarters pad
+    raw_row = geo.d_v + RAW_PAD + geo.d_rope * (2 if geo.kv_kind == "packed" else 1)
+    raw_rows = min(block_i, WS_RAW_ROWS)
+    return 2 * hb * d_qk + 2 * 2 * block_i * d_qk + 2 * raw_rows * raw_row + 2 * hb * block_i + 4096 <= SMEM_LIMIT
+
+
+def ws_quarters(geo: AttnGeometry, split: bool, block_i: int = 64) -> bool:
+    """Whether the producer of :func:`build_attn_ws` maps its threads to rows by quarter warps
+    (:func:`ws_row_lane`): for every FP8 kernel but the prefill over staged packed rows copied by
+    ``cp.async`` (:func:`ws_bulk`). bf16 rows are copied straight into the stage, 16 bytes per lane: no
+    conflict either way.
+
+    Measured (H200, BENCHMARKS.md): quarters are faster for native FP8 rows (GLM prefill
+    375 against 358 TFLOPS, DeepSeek 404 against 388; GLM decode T 17 16.6 against 17.0 us), for the split
+    kernel over packed rows (GLM T 1 9.8 against 10.1 us, T 17 17.6 against 18.0) and for the in-place
+    prefill over packed rows (two rounds: DeepSeek packed decode T 256
+    361-362 against 378-379 us, at 16 heads 177 against 184) and for the prefill over bulk-copied packed
+    rows (GLM 1610-1614 against 1645-1646 us at 64-row blocks); slower for
+    the prefill over staged packed rows copied by ``cp.async`` (GLM: 333 against 339
+    TFLOPS)."""
+    if geo.kv_kind == "bf16":
+        return False
+    return split or geo.kv_kind != "packed" or not ws_staged(geo, block_i) or ws_bulk(geo, split, block_i)
+
+
+def ws_bulk(geo: AttnGeometry, split: bool, block_i: int = 64) -> bool:
+    """Whether the staged producer of :func:`build_attn_ws` copies each packed row into its raw stage by one
+    bulk copy of the TMA unit (``dsa_bulk_row``: one lane per row issues it) instead of every lane's
+    ``cp.async`` pieces (four of 8 bytes a lane and row: the rows are only 8-byte aligned): for the
+    prefill over staged packed rows without a tail (GLM's 264-byte rows), whose values are whole 16-byte
+    pieces from a start that is 16-byte aligned or 8 bytes past it.
+
+    Measured (H200, BENCHMARKS.md, two rounds a call): GLM packed
+    prefill 1518-1525 against 1583-1585 us (at 8 heads 1487-1491 against 1555-1570) with quarters
+    (:func:`ws_quarters`) and 128-row blocks (:func:`ws_block`); at 64-row blocks 1610-1614 with quarters,
+    1643-1646 without. The split kernels keep ``cp.async``: with bulk copies GLM packed decode T 17 took
+    15.0-15.4 against 14.4-14.7 us, T 1 8.3-8.6 against 8.0-8.1."""
+    return (not split and geo.kv_kind == "packed" and geo.d_rope == 0 and ws_staged(geo, block_i)
+            and geo.kv_row_width % 8 == 0 and geo.kv_row_width - geo.d_v >= 8)
+
+
+def ws_persistent(geo: AttnGeometry, split: bool) -> bool:
+    """Whether :func:`build_attn_ws` builds ``geo``'s kernel persistent (``ctas`` CTAs): the prefill over staged packed
+    rows copied by the TMA unit (:func:`ws_bulk`, GLM's 264-byte rows). Each CTA walks work items (token, head block)
+    one after another, its producer gathering the next item's first blocks while the consumers finish an item,
+    instead of the SM idling through one CTA's end and the next one's start.
+
+    Measured (H200, BENCHMARKS.md): a CTA of the GLM packed prefill at H 64 took about 4.4 us
+    beyond its blocks' 16 x 2.72 us (times against top-k). Persistent (two rounds): 1467-1474 against
+    1545 us at H 64, 1409-1426 against 1495-1509 at H 8. The other FP8 prefills gained nothing so, and keep one CTA
+    per item: DeepSeek packed decode T 256 (in-place rows) 356-358 against 356-363 us, GLM native FP8 1285-1288
+    against 1292, DeepSeek native FP8 5121-5166 against 5107-5128."""
+    return not split and geo.kv_kind == "packed" and ws_bulk(geo, split, ws_block(geo, split))
+
+
+def ws_paired_fits(geo: AttnGeometry, block_i: int) -> bool:
+    """Whether the paired scheme of :func:`build_attn_ws` fits in shared memory: q, two stages and two
+    probability tiles (warpgroup 0's in its stage's tail where that is as wide as a block)."""
+    hb, d_qk = MAX_HEAD_BLOCK, geo.d_qk
+    tiles = 1 if geo.d_rope == block_i else 2
+    return 2 * (hb * d_qk + 2 * block_i * d_qk + tiles * hb * block_i) + 2048 <= SMEM_LIMIT  # + flags, barriers
+
+
+# TileLang pass configs of the build_attn_ws kernels: nvcc's fast math, so each exp2f / log2f is one
+# ex2 / lg2.approx.ftz instruction (TileLang compiles IEEE-accurate forms by default, with extra
+# instructions around each for subnormal results); divisions are approximate and subnormal float32
+# values flush to zero too (the GPU suite's comparisons with the reference hold). Measured (H200,
+# BENCHMARKS.md, one call): GLM bf16 prefill 511 against 495 TFLOPS, GLM packed
+# prefill 345 against 340, GLM fp8 prefill 383 against 375, GLM packed decode T 17 17.3 against
+# 17.6 us; DeepSeek bf16 prefill 560 both.
+WS_PASS_CONFIGS = {"tl.enable_fast_math": True}
+
+
+@dataclass(frozen=True)
+class WsPlan:
+    """Every choice of a warp-specialized kernel and every size derived from them (made by :func:`ws_plan`).
+
+    The flags: ``split`` (the decode kernel), ``copies_async`` (bf16 rows by cp.async straight into a stage),
+    ``staged`` (FP8 rows raw into raw stages, widened shared-to-shared), ``inplace`` (FP8 rows widened in their bf16
+    stage), ``paired`` (each consumer warpgroup scores one block of a pair), ``p0_in_tail`` (warpgroup 0's shared
+    probabilities in its stage's tail), ``halves`` (paired over 64-row blocks: FlashMLA's pipeline of stage halves),
+    ``wg1_widens`` (consumer warpgroup 1 widens the last pass of each in-place block), ``persist`` (a persistent
+    prefill of at most ``ctas`` CTAs), ``quarters`` (producer threads mapped to rows by quarter warps,
+    :func:`ws_row_lane`), ``bulk`` (staged packed rows by one TMA bulk copy each), ``calls_widen`` (the producer
+    widens through ``dsa_widen``)."""
+
+    geo: AttnGeometry
+    split: bool
+    block_i: int  # top-k rows of a block (of a stage)
+    n_prod: int  # producer warpgroups
+    nreg: tuple[int, int, int]  # setmaxnreg budgets: consumer warpgroups 0 and 1, each producer warpgroup
+    scheme: tuple[str, int]  # (consumer scheme, producers): the key of WS_NREG
+    ctas: int
+    copies_async: bool
+    staged: bool
+    inplace: bool
+    paired: bool
+    p0_in_tail: bool
+    halves: bool
+    lazy_gap: float | None  # (halves) the growth of a row's max, in its score units, that moves the running max
+    wg1_widens: bool
+    persist: bool
+    quarters: bool
+    bulk: bool
+    calls_widen: bool
+    half: int  # value columns of each consumer warpgroup's half
+    hb: int  # heads of a block (the GEMMs' M tile)
+    groups: int  # head blocks
+    scale2: float  # sm_scale in the exp2 domain
+    packed: bool
+    row_w: int  # elements (bytes for packed rows) of a pool row
+    scale_word: int | None  # (packed) float32 word of a row's first scale
+    rope_half: int | None  # (packed) bf16 word of a row's tail
+    vec: int  # elements one producer thread moves at once (16 bytes read)
+    chunks: int  # vectors of a row's values per producer thread, half of them in each half of the row
+    tail_chunks: int  # 8-element vectors of a row's tail per producer thread
+    rows_per_pass: int  # rows the producer threads fill at once
+    block_p: int  # rows of a producer block (a raw stage's rows when staged)
+    subs: int  # producer blocks per stage
+    passes: int  # passes of a producer block
+    raw_w: int  # bytes of a raw slot
+    ready_count: int  # arrivals on a stage's ready barrier
+    prod_passes: tuple[int, ...] | None  # (wg1_widens) the passes of a block the producer widens
+    wg1_passes: tuple[int, ...] | None  # ... and those consumer warpgroup 1 widens
+    n_tiles: int  # quantization tiles of a packed row's values
+    piece: int  # bytes of one cp.async of FP8 values (row starts are piece-aligned)
+    tail_piece: int  # elements of one cp.async of a staged row's tail
+
+    @property
+    def prelude(self) -> str | None:
+        """The device helpers the kernel calls (:mod:`csrc_tl.sparse_attn.device`), or None."""
+        return device.prelude(self.paired, self.inplace, self.halves, self.bulk, self.calls_widen, self.split,
+                              self.persist)
+
+
+def ws_plan(geo: AttnGeometry, *, split: bool = False, block_i: int | None = None, producers: int | None = None,
+            nreg: tuple[int, int, int] | None = None, ctas: int = DEFAULT_CTAS) -> WsPlan:
+    """The plan of ``build_attn_ws(geo, split=split, ...)`` (same arguments; see there): pure, of the key only."""
+    geo.check()
+    assert ws_supported(geo), "needs d_v a multiple of 128 (256 for FP8 rows), d_rope 0 or 64"
+    block_i = ws_block(geo, split) if block_i is None else block_i
+    assert block_i == 64 or not split, "a split kernel works on 64-row blocks"
+    d_v, d_tail, heads = geo.d_v, geo.d_rope, geo.heads
+    hb = MAX_HEAD_BLOCK
+    scale2 = geo.sm_scale * LOG2E
+    packed, row_w = geo.kv_kind == "packed", geo.kv_row_width
+    vec = 8 if geo.kv_kind == "bf16" else 16
+    copies_async = geo.kv_kind == "bf16"  # bf16 rows go to shared memory as they are, by cp.async
+    staged = ws_staged(geo, block_i)
+    inplace = geo.kv_kind != "bf16" and not staged  # FP8 rows without room for raw stages: widened in place
+    # two producer warpgroups where staged FP8 rows are widened: the widening bounds the kernel
+    n_prod = (2 if staged else 1) if producers is None else producers
+    # the prefill of bf16 rows: the two consumer warpgroups score the blocks of a pair side by side;
+    # elsewhere warpgroup 0 scores each block as soon as it is ready (measured: BENCHMARKS.md; pairs
+    # were slower where the producer bounds the kernel, over FP8 rows)
+    paired = geo.kv_kind == "bf16" and not split and ws_paired_fits(geo, block_i)
+    # where the tail is as wide as a block, warpgroup 0's shared probabilities take its stage's tail
+    # (read by its score GEMM only; refilled after warpgroup 1's last PV GEMM of the pair, as FlashMLA)
+    p0_in_tail = paired and d_tail == block_i
+    # Paired over 64-row blocks (rows wider than 256): FlashMLA's pipeline. Each stage has two halves with
+    # barriers of their own (the left value half; the right one with the tail), refilled as soon as their
+    # last reader is done, and warpgroup 0 issues the next pair's score GEMMs under its last PV GEMM.
+    # Measured (H200, BENCHMARKS.md): DeepSeek bf16 prefill 557 against 516 TFLOPS
+    # in one call (its earlier forms 527-556 against 513-521); over 128-row blocks (GLM) 472-476
+    # against 493 for the whole-stage scheme, which they keep.
+    halves = paired and block_i == 64
+    # The running max moves only when a row's max grows by more than 2^8 in the exp2 domain, so most
+    # blocks rescale nothing (probabilities stay below 2^8: exact in float32, the same relative
+    # precision in bf16); threads whose rows' max did not move skip the rescale (544 against 527).
+    lazy_gap = 8.0 / scale2 if halves else None
+    rows_per_pass = 128 * n_prod // WS_THREADS_PER_ROW
+    # rows of a producer block: the staged producer fills a stage from raw copies of WS_RAW_ROWS rows
+    block_p = min(block_i, WS_RAW_ROWS) if staged else block_i
+    passes = block_p // rows_per_pass
+    # The in-place kernels over packed rows: consumer warpgroup 1, which otherwise waits most of the time
+    # for warpgroup 0's probabilities (ncu: 65% of its samples; the producer paces the kernel), gathers
+    # and widens the last pass of each block, the next block's before it waits for the current one's
+    # probabilities. Measured (H200, BENCHMARKS.md, one call each): DeepSeek packed decode T 256 350-354
+    # against 363-364 us at 128 heads, 173.5 against 183 at 16; in the split
+    # kernel, DeepSeek packed decode T 1 at 16 heads 11.3 against 11.8-11.9 us in five rounds.
+    wg1_widens = inplace and packed and passes > 1 and (not split or d_tail > 0)
+    inplace_scheme = "inplace_wg1" if wg1_widens else "inplace"
+    scheme = ("paired" if paired else inplace_scheme if inplace else "single", n_prod)
+    assert nreg is not None or scheme in WS_NREG, f"no register budgets for {scheme}; pass nreg"
+    nreg = WS_NREG[scheme] if nreg is None else nreg
+    check_ws_nreg(nreg, n_prod)
+
+    # A persistent prefill (ws_persistent): a grid of at most `ctas` CTAs, each of which walks the work items (token,
+    # head block) bx, bx + ctas, ... one after another, its producer running on into the next item's first blocks
+    # while the consumers finish an item. The consumers meet at a named barrier between items (q's tiles hold their
+    # stores' rows) and count the stages' phases over all the CTA's blocks.
+    persist = ws_persistent(geo, split)
+    assert not persist or (staged and not paired), "a persistent kernel runs the staged producer"
+    assert ctas >= 1, "a persistent kernel needs at least one CTA"
+
+    quarters = ws_quarters(geo, split, block_i)
+    bulk = ws_bulk(geo, split, block_i)
+    subs = block_i // block_p
+    assert not bulk or (staged and packed and not d_tail), "bulk copies: staged packed rows without a tail"
+    # (a persistent kernel's items have a multiple of 4 producer blocks there, so the landing phases restart with each)
+    assert not (bulk and persist) or subs % 2 == 0, "persistent bulk copies need stages of an even number of raw blocks"
+    return WsPlan(
+        geo=geo, split=split, block_i=block_i, n_prod=n_prod, nreg=nreg, scheme=scheme, ctas=ctas,
+        copies_async=copies_async, staged=staged, inplace=inplace, paired=paired, p0_in_tail=p0_in_tail, halves=halves,
+        lazy_gap=lazy_gap, wg1_widens=wg1_widens, persist=persist, quarters=quarters, bulk=bulk,
+        calls_widen=inplace or (staged and not packed),  # (see widen_raw)
+        half=d_v // 2, hb=hb, groups=-(-heads // hb), scale2=scale2, packed=packed, row_w=row_w,
+        scale_word=geo.layout.scale_offset // 4 if packed else None,
+        rope_half=geo.layout.rope_offset // 2 if packed else None,
+        vec=vec, chunks=d_v // (vec * WS_THREADS_PER_ROW), tail_chunks=d_tail // (8 * WS_THREADS_PER_ROW),
+        rows_per_pass=rows_per_pass, block_p=block_p, subs=subs, passes=passes,
+        # a bulk-copied row may land 8 bytes into its slot, with 8 more bytes after its values
+        raw_w=d_v + (16 if bulk else RAW_PAD if quarters else 0),
+        # each producer thread arrives once, or twice with cp.async; and warpgroup 1's threads where they widen
+        ready_count=128 * n_prod * (2 if copies_async else 1) + (128 if wg1_widens else 0),
+        prod_passes=tuple(range(passes - 1)) if wg1_widens else None,
+        wg1_passes=(passes - 1,) if wg1_widens else None,
+        n_tiles=d_v // QUANT_TILE,
+        piece=16 if row_w % 16 == 0 else 8,
+        # bf16 of a packed row (8 bytes where the rows or the tail offset are not 16-byte aligned, as in the
+        # 392-byte 256+64 row), FP8 values
+        tail_piece=(8 if row_w % 16 == 0 and geo.layout.rope_offset % 16 == 0 else 4) if packed else 8,
+    )
