@@ -419,9 +419,9 @@ def ws_supported(dim: int, heads: int, q_dtype: str) -> bool:
 
 def paged_ws_supported(dim: int, heads: int, page: int, q_dtype: str) -> bool:
     """Whether the warp-specialized decode kernel takes this geometry: FP8 queries, TMA boxes of at most 256 bytes a
-    row, pages of a multiple of 4 tokens (16-byte aligned pages) that divide 64 or are a multiple of it (whole
-    pages or whole 64-row tiles a GEMM)."""
-    fits = page % 4 == 0 and (BN % page == 0 or page % BN == 0)
+    row, pages of a multiple of 64 tokens (whole 64-row tiles a GEMM; with several pages a tile, at 16 tokens a
+    page, the kernel stopped on a misaligned address on an H200, so smaller pages take the portable kernel)."""
+    fits = page % BN == 0
     return ws_supported(dim, heads, q_dtype) and fits
 
 
