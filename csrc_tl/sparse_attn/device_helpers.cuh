@@ -89,7 +89,7 @@ __device__ __forceinline__ int dsa_bulk_row(void* slot, const void* pool, int in
     unsigned b = (unsigned)__cvta_generic_to_shared(bar);
     if (ok) {
       unsigned s = (unsigned)__cvta_generic_to_shared(slot), n = kBytes + 2 * shift;
-      // (selects, not a branch: with a branch here the prefill took 1545 against 1529 us, BENCHMARKS.md run EZ)
+      // (selects, not a branch: a branch here made the packed prefill about 1% slower on an H200)
       bool head = shift != 0 && index == 0;
       const char* src = head ? row + 8 : row - shift;
       s += head ? 16 : 0;

@@ -197,7 +197,7 @@ def _attend_macro(plan: WsPlan, dims, prod: SimpleNamespace, cons: SimpleNamespa
 
             # setmaxnreg moves registers between the warpgroups of the CTA (budgets: WS_NREG). Paired
             # (the prefill of narrow bf16 rows): warpgroup 0 scores the block in stage 0 and warpgroup 1
-            # the one in stage 1, at the same time; each then runs PV for its half of the value width
+            # the one in stage 1, at the same time; each then computes PV for its half of the value width
             # over both blocks, its own probabilities from registers and the other's from shared
             # memory. The running max passes 0 -> 1 -> 0 once per pair (m_s), so each softmax overlaps
             # the other warpgroup's GEMMs. Otherwise warpgroup 0 scores every block and runs the
