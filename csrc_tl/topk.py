@@ -600,7 +600,7 @@ def build_topk_rows(key: TopkKey):
                 parts.pad(out, row)
 
     logits_t = T.StridedTensor((rows, width), (ld, 1), T.float32)
-    vec_t = T.Tensor((rows,), T.int32)
+    vec_t, starts_t, request_t = _row_vectors(rows)
     table_t = T.Tensor((n_req, max_pages), T.int32)
     out_t = T.Tensor((rows, dims.out_width), T.int32)
     variant = (key.has_starts, bool(page), key.has_row_request)
@@ -613,7 +613,7 @@ def build_topk_rows(key: TopkKey):
     elif variant == (True, False, False):
 
         @T.prim_func
-        def topk_rows(logits: logits_t, lengths: vec_t, starts: vec_t, out: out_t):
+        def topk_rows(logits: logits_t, lengths: vec_t, starts: starts_t, out: out_t):
             select_rows(logits, lengths, starts, None, None, out)
 
     elif variant == (False, True, False):
@@ -625,19 +625,19 @@ def build_topk_rows(key: TopkKey):
     elif variant == (True, True, False):
 
         @T.prim_func
-        def topk_rows(logits: logits_t, lengths: vec_t, starts: vec_t, page_table: table_t, out: out_t):
+        def topk_rows(logits: logits_t, lengths: vec_t, starts: starts_t, page_table: table_t, out: out_t):
             select_rows(logits, lengths, starts, page_table, None, out)
 
     elif variant == (False, True, True):
 
         @T.prim_func
-        def topk_rows(logits: logits_t, lengths: vec_t, page_table: table_t, row_request: vec_t, out: out_t):
+        def topk_rows(logits: logits_t, lengths: vec_t, page_table: table_t, row_request: request_t, out: out_t):
             select_rows(logits, lengths, None, page_table, row_request, out)
 
     else:
 
         @T.prim_func
-        def topk_rows(logits: logits_t, lengths: vec_t, starts: vec_t, page_table: table_t, row_request: vec_t,
+        def topk_rows(logits: logits_t, lengths: vec_t, starts: starts_t, page_table: table_t, row_request: request_t,
                       out: out_t):
             select_rows(logits, lengths, starts, page_table, row_request, out)
 
@@ -685,7 +685,7 @@ def build_topk_split(key: TopkSplitKey):
     dims = _Dims()
     parts = _Parts(key, dims.out_width)
     logits_t = T.StridedTensor((dims.rows, dims.width), (dims.ld, 1), T.float32)
-    vec_t = T.Tensor((dims.rows,), T.int32)
+    vec_t, starts_t, request_t = _row_vectors(dims.rows)
     counters_t = T.Tensor((dims.rows, COUNTERS), T.int32)
     state_t = T.Tensor((dims.rows, ROW_STATE), T.int32)
     cand_t = T.Tensor((dims.rows, dims.chunks, 2, dims.chunk), T.int32)
@@ -694,7 +694,7 @@ def build_topk_split(key: TopkSplitKey):
         if key.has_starts:
 
             @T.prim_func
-            def topk_split_hist(logits: logits_t, lengths: vec_t, starts: vec_t, counters: counters_t,
+            def topk_split_hist(logits: logits_t, lengths: vec_t, starts: starts_t, counters: counters_t,
                                 row_state: state_t, cand: cand_t):
                 hist_stage(logits, lengths, starts, counters, row_state)
 
@@ -710,7 +710,8 @@ def build_topk_split(key: TopkSplitKey):
     count_t = T.Tensor((dims.rows, dims.chunks), T.int32)
     out_t = T.Tensor((dims.rows, dims.out_width), T.int32)
     scratch = (counters_t, state_t, cand_t, count_t)
-    return _select_entry(_select_stage(key, parts, dims), key, logits_t, vec_t, table_t, scratch, out_t)
+    return _select_entry(_select_stage(key, parts, dims), key, logits_t, (vec_t, starts_t, request_t), table_t,
+                         scratch, out_t)
 
 
 class _Dims:
@@ -880,8 +881,9 @@ def _select_stage(key: TopkSplitKey, parts: _Parts, dims: _Dims):
     return select_stage
 
 
-def _select_entry(select_stage, key, logits_t, vec_t, table_t, scratch, out_t):
+def _select_entry(select_stage, key, logits_t, vectors, table_t, scratch, out_t):
     """The prim_func of the split select stage with the arguments ``key`` asks for."""
+    vec_t, starts_t, request_t = vectors
     counters_t, state_t, cand_t, count_t = scratch
     variant = (key.has_starts, bool(key.page_size), key.has_row_request)
     if variant == (False, False, False):
@@ -894,7 +896,7 @@ def _select_entry(select_stage, key, logits_t, vec_t, table_t, scratch, out_t):
     elif variant == (True, False, False):
 
         @T.prim_func
-        def topk_split_select(logits: logits_t, lengths: vec_t, starts: vec_t, counters: counters_t,
+        def topk_split_select(logits: logits_t, lengths: vec_t, starts: starts_t, counters: counters_t,
                               row_state: state_t, cand: cand_t, cand_count: count_t, out: out_t):
             select_stage(logits, lengths, starts, None, None, counters, row_state, cand, cand_count, out)
 
@@ -908,7 +910,7 @@ def _select_entry(select_stage, key, logits_t, vec_t, table_t, scratch, out_t):
     elif variant == (True, True, False):
 
         @T.prim_func
-        def topk_split_select(logits: logits_t, lengths: vec_t, starts: vec_t, page_table: table_t,
+        def topk_split_select(logits: logits_t, lengths: vec_t, starts: starts_t, page_table: table_t,
                               counters: counters_t, row_state: state_t, cand: cand_t, cand_count: count_t,
                               out: out_t):
             select_stage(logits, lengths, starts, page_table, None, counters, row_state, cand, cand_count, out)
@@ -916,7 +918,7 @@ def _select_entry(select_stage, key, logits_t, vec_t, table_t, scratch, out_t):
     elif variant == (False, True, True):
 
         @T.prim_func
-        def topk_split_select(logits: logits_t, lengths: vec_t, page_table: table_t, row_request: vec_t,
+        def topk_split_select(logits: logits_t, lengths: vec_t, page_table: table_t, row_request: request_t,
                               counters: counters_t, row_state: state_t, cand: cand_t, cand_count: count_t,
                               out: out_t):
             select_stage(logits, lengths, None, page_table, row_request, counters, row_state, cand, cand_count,
@@ -925,13 +927,19 @@ def _select_entry(select_stage, key, logits_t, vec_t, table_t, scratch, out_t):
     else:
 
         @T.prim_func
-        def topk_split_select(logits: logits_t, lengths: vec_t, starts: vec_t, page_table: table_t,
-                              row_request: vec_t, counters: counters_t, row_state: state_t, cand: cand_t,
+        def topk_split_select(logits: logits_t, lengths: vec_t, starts: starts_t, page_table: table_t,
+                              row_request: request_t, counters: counters_t, row_state: state_t, cand: cand_t,
                               cand_count: count_t, out: out_t):
             select_stage(logits, lengths, starts, page_table, row_request, counters, row_state, cand, cand_count,
                          out)
 
     return topk_split_select
+
+
+def _row_vectors(rows) -> tuple:
+    """The ``[R] int32`` types of ``lengths``, ``starts`` and ``row_request``: one per argument, since arguments
+    annotated with one buffer type become one buffer (the kernel would read ``starts`` as ``lengths``)."""
+    return tuple(T.Tensor((rows,), T.int32) for _ in range(3))
 
 
 def _lifts(n: int) -> tuple[int, ...]:

@@ -1,9 +1,6 @@
-"""GPU implementation of the exact top-k selection (arguments already checked by ``ops.py``).
-
-``dsa.topk`` on a GPU runs the reference (a stable torch sort of integer keys, exact), because the TileLang
-kernels of ``csrc_tl.topk`` lower and compile but returned only -1 on an H200. Their launch plan is kept here
-(:func:`plan_topk`, :func:`launch_topk`): one CTA per row when the rows fill the GPU, and for few long rows
-(decode) each row split over several CTAs in two launches, whose scratch is allocated per call.
+"""GPU implementation of the exact top-k selection (arguments already checked by ``ops.py``): the TileLang kernels
+of ``csrc_tl.topk``, one CTA per row when the rows fill the GPU (:func:`plan_topk`), and for few long rows (decode)
+each row split over several CTAs in two launches, whose scratch is allocated per call.
 """
 
 from __future__ import annotations
@@ -14,12 +11,11 @@ import torch
 
 from csrc_tl import topk as builders
 
-from .. import reference
 from ..ops import takes_checked
 from .common import aligned
 from .compile import kernel, register_builder, sm_count
 
-__all__ = ["bench_cases", "warmup_keys", "plan_topk", "TopkPlan", "launch_topk", "topk"]
+__all__ = ["bench_cases", "warmup_keys", "plan_topk", "TopkPlan", "topk"]
 
 register_builder(builders.TopkKey, builders.build_topk_rows, builders.pass_configs)
 register_builder(builders.TopkSplitKey, builders.build_topk_split, builders.pass_configs)
@@ -53,14 +49,8 @@ def plan_topk(rows: int, width: int, sms: int) -> TopkPlan:
     return TopkPlan(chunks, builders.split_chunk(width, chunks)) if chunks > 1 else TopkPlan(1, width)
 
 
-def topk(logits, lengths, k, starts=None, page_table=None, row_request=None, page_size=64, out_width=None):
-    return reference.topk(logits, lengths, k, starts, page_table, row_request, page_size, out_width)
-
-
 @takes_checked
-def launch_topk(args, logits, lengths, k, starts=None, page_table=None, row_request=None, page_size=64,
-                out_width=None):
-    """The TileLang kernels' top-k (not yet correct on an H200: see the module's docstring)."""
+def topk(args, logits, lengths, k, starts=None, page_table=None, row_request=None, page_size=64, out_width=None):
     rows, width = logits.shape
     out = torch.empty(rows, args.width, dtype=torch.int32, device=logits.device)
     if not rows:
@@ -89,8 +79,8 @@ def warmup_keys(k=None, page_size=64, starts=(False, True), paged=(False, True),
     """The top-k kernels of selection size ``k`` (both schemes) for the argument combinations given: with or
     without ``starts``, positions or slots of a page table of ``page_size`` tokens, with or without
     ``row_request``."""
-    if not k or topk is not launch_topk:
-        return []  # the op runs the reference
+    if not k:
+        return []
     keys = []
     for has_starts in starts:
         for is_paged in paged:
@@ -119,11 +109,11 @@ def _case(rows: int, width: int, k: int, causal: bool = False) -> dict:
 
     sms = sm_count(torch.device("cuda")) if torch.cuda.is_available() else DEFAULT_SMS
     plan = plan_topk(rows, width, sms)
-    keys = plan.keys(k, 0, False, False) if topk is launch_topk else []
+    keys = plan.keys(k, 0, False, False)
     read = (rows * (width + 1) // 2 if causal else rows * width) * 4
     target = ROW_TARGETS.get(rows, COPY_TARGET)
     name = f"topk k{k} of {width // 1024}K, {rows} rows{' causal' if causal else ''}"
-    path = "reference (torch sort)" if not keys else f"{plan.chunks} CTAs a row" if plan.chunks > 1 else "a CTA a row"
+    path = f"{plan.chunks} CTAs a row" if plan.chunks > 1 else "a CTA a row"
     return dict(name=name, op="topk", make=make, flops=None, bytes=read, keys=keys, path=path, target=target)
 
 
