@@ -1,13 +1,31 @@
-"""CPU tests of the plan record of the warp-specialized attention kernel (csrc_tl.sparse_attn.plan): which producer
-and consumer scheme, block sizes, stages and persistence each geometry gets, and the device helpers its prelude
-carries. Nothing here lowers a kernel."""
+"""CPU tests of the plan records of sparse attention: the plan of the warp-specialized kernel
+(csrc_tl.sparse_attn.plan: which producer and consumer scheme, block sizes, stages and persistence each geometry
+gets, and the device helpers its prelude carries) and the launch plan of a call (csrc_tl.sparse_attn.launch: which
+kernels run over which tokens, in how many splits). Nothing here lowers a kernel."""
 
 import dataclasses
+import itertools
+import math
+import subprocess
+import sys
 from typing import NamedTuple
 
 import pytest
 
-from csrc_tl.sparse_attn import AttnGeometry, device, ws_plan, ws_supported
+from csrc_tl.sparse_attn import DEFAULT_TILES, AttnGeometry, device, head_block, ws_plan, ws_supported
+from csrc_tl.sparse_attn.launch import (
+    PERSISTENT,
+    PORTABLE,
+    TAIL_MIN_BLOCKS,
+    TAIL_MIN_SPLITS,
+    TOPK_BLOCK,
+    WARP_SPECIALIZED,
+    WS_SPLIT_BLOCKS,
+    AttnKernels,
+    AttnLaunch,
+    attn_kernels,
+    plan_launch,
+)
 from csrc_tl.sparse_attn.plan import DEFAULT_CTAS, WS_NREG
 
 
@@ -148,3 +166,147 @@ def test_prelude(c: Case):
     assert ("dsa_ld_index" in text) == plan.persist
     assert ("dsa_cp_async(" in text) == (plan.inplace or plan.halves or plan.bulk)
 
+
+
+# ----------------------------------------------------------------------------------------------
+# The launch plan of a call.
+
+def launch_id(v) -> str:
+    if isinstance(v, bool):
+        return "sm90" if v else "other"
+    if isinstance(v, AttnLaunch):
+        return f"prefill{v.prefill_tokens}-split{v.split_tokens}x{v.splits}"
+    return str(v)
+
+
+GLM_PACKED = geometry("packed", 256, 0)
+WS_KERNELS_64 = AttnKernels(WARP_SPECIALIZED, 0, WARP_SPECIALIZED, 64, pdl=True)
+PERSISTENT_132 = AttnKernels(PERSISTENT, 132, WARP_SPECIALIZED, 64, pdl=True)
+
+
+@pytest.mark.parametrize("geo, tokens, topk, sm_count, sm90, want", [
+    # the persistent GLM packed prefill: 31 whole rounds of 132 items, the last 4 tokens in 16 splits of 2 blocks
+    (GLM_PACKED, 4096, 2048, 132, True, AttnLaunch(PERSISTENT_132, 4096, 4092, 16)),
+    # ... its whole rounds alone, and items too short to split off
+    (GLM_PACKED, 4092, 2048, 132, True, AttnLaunch(PERSISTENT_132, 4092, 4092)),
+    (GLM_PACKED, 4096, 512, 132, True, AttnLaunch(PERSISTENT_132, 4096, 4096)),
+    # on 78 SMs the persistent grid is 78 CTAs: 52 rounds take 4056 tokens, and the last 40 fill over half the SMs,
+    # so the split path would not split them: the prefill takes them all
+    (GLM_PACKED, 4096, 2048, 78, True, AttnLaunch(dataclasses.replace(PERSISTENT_132, ctas=78), 4096, 4096)),
+    # decode T 1: the warp-specialized split kernel keeps two blocks per split, the portable one takes one
+    (geometry("bf16", 256, 0), 1, 2048, 132, True, AttnLaunch(WS_KERNELS_64, 1, 0, 16)),
+    (geometry("bf16", 256, 0), 1, 2048, 132, False,
+     AttnLaunch(AttnKernels(PORTABLE, 0, PORTABLE, 64, pdl=False), 1, 0, 32)),
+    # a 16-head shard: the warp-specialized split kernel's partials have a whole 64-head block, the portable one's 16
+    (geometry("packed", 512, 0, heads=16), 1, 2048, 132, True,
+     AttnLaunch(AttnKernels(WARP_SPECIALIZED, 0, WARP_SPECIALIZED, 64, True), 1, 0, 16)),
+    (geometry("packed", 512, 0, heads=16), 1, 2048, 132, False,
+     AttnLaunch(AttnKernels(PORTABLE, 0, PORTABLE, 16, False), 1, 0, 32)),
+    # DeepSeek: T 17 at 128 heads is 34 items (3 splits), T 256 fills the GPU; one CTA per item, no tail
+    (geometry("packed", 512, 64, heads=128), 17, 2048, 132, True,
+     AttnLaunch(dataclasses.replace(WS_KERNELS_64, partial_heads=128), 17, 0, 3)),
+    (geometry("packed", 512, 64, heads=128), 256, 2048, 132, True,
+     AttnLaunch(dataclasses.replace(WS_KERNELS_64, partial_heads=128), 256, 256)),
+    (geometry("bf16", 512, 64, heads=128), 4100, 2048, 132, True,
+     AttnLaunch(dataclasses.replace(WS_KERNELS_64, partial_heads=128), 4100, 4100)),
+], ids=lambda v: launch_id(v))
+def test_launch_plan(geo, tokens, topk, sm_count, sm90, want):
+    assert plan_launch(geo, tokens, topk, sm_count, sm90) == want
+
+
+GRID = list(itertools.product(
+    [("bf16", False), ("fp8", True), ("packed", False)], [(512, 64), (512, 0), (256, 0), (384, 0)],
+    [1, 8, 16, 64, 128], [1, 2, 17, 64, 256, 4092, 4096, 4100, 8192], [512, 2048, 2112], [132, 78]))
+
+
+@pytest.mark.parametrize("sm90", [True, False], ids=["sm90", "other"])
+def test_launch_plan_invariants(sm90):
+    """Over a grid of calls: the split path keeps one wave of whole top-k blocks, the prefill of a persistent kernel
+    whole rounds of its CTAs; off sm_90 CUDA nothing is warp-specialized."""
+    for (kind, q_fp8), (d_v, d_rope), heads, tokens, topk, sm_count in GRID:
+        geo = geometry(kind, d_v, d_rope, heads, q_fp8)
+        launch = plan_launch(geo, tokens, topk, sm_count, sm90)
+        k = launch.kernels
+        assert k == attn_kernels(geo, sm90, sm_count)
+        ws = sm90 and ws_supported(geo)
+        assert (k.split == WARP_SPECIALIZED) == ws and (k.prefill != PORTABLE) == ws and k.pdl == ws
+        block = 64 if ws else head_block(heads)  # heads of a split kernel's block
+        assert k.partial_heads == -(-heads // block) * block
+        assert launch.prefill_tokens + launch.split_tokens == tokens
+        items = math.ceil(heads / head_block(heads))  # (token, head block) items of one token
+        if launch.split_tokens:
+            assert launch.split_tokens * items * launch.splits <= sm_count, "one wave of splits"
+            assert topk // TOPK_BLOCK // launch.splits >= (WS_SPLIT_BLOCKS if ws else 1)
+        if launch.prefill_tokens and launch.split_tokens:  # a persistent prefill's last round split off
+            assert k.prefill == PERSISTENT and launch.prefill_tokens * items % k.ctas == 0
+            assert launch.splits >= TAIL_MIN_SPLITS and topk // TOPK_BLOCK >= TAIL_MIN_BLOCKS
+
+
+def test_launch_plan_persistent_ctas():
+    # the persistent prefill's grid: one CTA per SM of the GPU the plan is for, an H200's where none is given
+    assert attn_kernels(GLM_PACKED, True).ctas == DEFAULT_CTAS
+    assert attn_kernels(GLM_PACKED, True, 78) == AttnKernels(PERSISTENT, 78, WARP_SPECIALIZED, 64, pdl=True)
+    assert attn_kernels(GLM_PACKED, False, 78) == AttnKernels(PORTABLE, 0, PORTABLE, 64, pdl=False)
+    # no other prefill is persistent (DeepSeek packed rows, native FP8 rows, bf16 rows)
+    for geo in (geometry("packed", 512, 64), geometry("fp8", 256, 0, q_fp8=True), geometry("bf16", 256, 0)):
+        assert attn_kernels(geo, True, 78).prefill == WARP_SPECIALIZED
+
+
+def test_launch_plan_is_frozen_and_checked():
+    launch = plan_launch(GLM_PACKED, 4096, 2048, 132, True)
+    assert launch == plan_launch(GLM_PACKED, 4096, 2048, 132, True) and launch.split_tokens == 4
+    assert hash(launch) == hash(plan_launch(GLM_PACKED, 4096, 2048, 132, True))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        launch.splits = 1
+    with pytest.raises(AssertionError, match="split path runs"):
+        AttnLaunch(launch.kernels, 4096, 4096, 16)
+    with pytest.raises(AssertionError, match="persistent prefill's grid"):
+        AttnKernels(PERSISTENT, 0, WARP_SPECIALIZED, 64, pdl=True)
+    with pytest.raises(AssertionError, match="no tokens"):
+        plan_launch(GLM_PACKED, 0, 2048, 132, True)
+
+
+def test_topk_block_is_the_split_kernels_block():
+    # a split is whole blocks of both split kernels, and the top-k width sparse_attn takes is whole blocks
+    from sparse_dsa_ops.ops import TOPK_MULTIPLE
+
+    assert TOPK_BLOCK == DEFAULT_TILES["decode"]["block_i"] == TOPK_MULTIPLE
+    assert all(ws_plan(geometry(kind, 512, 64), split=True).block_i == TOPK_BLOCK for kind in ("bf16", "packed"))
+
+
+def test_backend_plan_is_the_launch_plan():
+    """The GPU backend's plan of a call is the launch plan's kernels as kernel keys, nothing decided again."""
+    from sparse_dsa_ops import _cuda
+
+    for tokens, topk, target in ((4096, 2048, "cuda"), (1, 2048, "cuda"), (4096, 2048, "hip"), (17, 2112, "hip")):
+        launch = plan_launch(GLM_PACKED, tokens, topk, 132, target == "cuda")
+        plan = _cuda.plan_attn("packed", 256, 0, 64, GLM_PACKED.sm_scale, False, False, tokens, topk, 132, target)
+        assert (plan.tokens, plan.prefill_tokens, plan.splits) == (tokens, launch.prefill_tokens, launch.splits)
+        prefill = {PORTABLE: "attn_prefill", WARP_SPECIALIZED: "attn_prefill_ws", PERSISTENT: "attn_prefill_ws"}
+        if launch.prefill_tokens:
+            ctas = (launch.kernels.ctas,) if launch.kernels.prefill == PERSISTENT else ()
+            assert (plan.prefill.family, plan.prefill.flags) == (prefill[launch.kernels.prefill], ctas)
+            assert plan.prefill.spec == GLM_PACKED
+        else:
+            assert plan.prefill is None
+        if launch.split_tokens:
+            split, combine = plan.split
+            assert split.family == ("attn_decode_ws" if launch.kernels.split == WARP_SPECIALIZED else "attn_decode")
+            assert combine.spec == (256, 64, launch.kernels.partial_heads) == (256, 64, plan.partial_heads)
+            assert combine.flags == (("pdl",) if launch.kernels.pdl else ())
+        else:
+            assert plan.split == ()
+
+
+IMPORTS = "import sys, csrc_tl.sparse_attn.launch; print(' '.join(sorted(m for m in ('torch', 'sparse_dsa_ops', " \
+          "'tilelang') if m in sys.modules)))"
+
+
+def test_launch_plan_imports_no_backend():
+    loaded = subprocess.run([sys.executable, "-c", IMPORTS], capture_output=True, text=True, check=True).stdout.split()
+    assert "sparse_dsa_ops" not in loaded
+
+
+def test_launch_plan_imports_no_torch():
+    loaded = subprocess.run([sys.executable, "-c", IMPORTS], capture_output=True, text=True, check=True).stdout.split()
+    assert loaded == []

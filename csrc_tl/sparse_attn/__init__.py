@@ -37,58 +37,48 @@ so this adds no error. The FP8 tensor-core path is not used: it would need the p
 FP8 for the PV product (3 mantissa bits, about 6% per entry), and with FP8 rows the kernels are
 bound by the producer's gather and widening, not by the tensor cores (BENCHMARKS.md).
 
-Modules: :mod:`.geometry` (the key), :mod:`.common` (softmax steps and stores shared by the kernels),
-:mod:`.portable` (:func:`build_attn`), :mod:`.combine` (:func:`build_combine`), :mod:`.plan` (the plan record of the
-warp-specialized kernel, :func:`ws_plan`), :mod:`.ws_producer` and :mod:`.ws_consumer` (its warpgroups' macros),
-:mod:`.ws_kernel` (:func:`build_attn_ws`) and :mod:`.device` (the CUDA helpers of ``device_helpers.cuh``).
+Modules: :mod:`.geometry` (the key), :mod:`.launch` (the launch plan of a call: which of these kernels run, over
+which tokens, in how many splits: :func:`plan_launch`), :mod:`.common` (softmax steps and stores shared by the
+kernels), :mod:`.portable` (:func:`build_attn`), :mod:`.combine` (:func:`build_combine`), :mod:`.plan` (the plan record
+of the warp-specialized kernel, :func:`ws_plan`), :mod:`.ws_producer` and :mod:`.ws_consumer` (its warpgroups'
+macros), :mod:`.ws_kernel` (:func:`build_attn_ws`) and :mod:`.device` (the CUDA helpers of ``device_helpers.cuh``).
+
+The names below are loaded from their modules on first use, so that importing one module of the package (the launch
+plan, say) does not import the kernel builders and TileLang with it.
 """
 
-from .combine import COMBINE_CHUNK, COMBINE_THREADS, COMBINE_VEC, build_combine
-from .common import exponentiate, load_q, normalize, online_softmax, reciprocal, rescale, store_rows, valid_entries
-from .device import WS_BAR_SYNC, WS_BULK, WS_CONVERT, WS_COPY, WS_PERSIST, WS_PRELUDE, WS_STORE, WS_WIDEN
-from .geometry import (
-                       DEFAULT_TILES,
-                       LN2,
-                       LOG2E,
-                       MAX_HEAD_BLOCK,
-                       MIN_HEAD_BLOCK,
-                       NEG_START,
-                       AttnGeometry,
-                       head_block,
-                       partial_heads,
-)
-from .plan import (
-                       DEFAULT_CTAS,
-                       RAW_PAD,
-                       SMEM_LIMIT,
-                       WS_CONSUMER_BARRIER,
-                       WS_INPLACE_AHEAD,
-                       WS_NREG,
-                       WS_PASS_CONFIGS,
-                       WS_RAW_ROWS,
-                       WS_STORE_BARRIERS,
-                       WS_THREADS_PER_ROW,
-                       WsPlan,
-                       check_ws_nreg,
-                       ws_block,
-                       ws_bulk,
-                       ws_inplace_raw_col,
-                       ws_paired_fits,
-                       ws_persistent,
-                       ws_plan,
-                       ws_quarters,
-                       ws_row_lane,
-                       ws_staged,
-                       ws_supported,
-)
-from .portable import build_attn
-from .ws_kernel import build_attn_ws
+import importlib
 
-__all__ = ["AttnGeometry", "DEFAULT_TILES", "DEFAULT_CTAS", "head_block", "partial_heads", "ws_supported", "ws_block",
-           "ws_persistent", "ws_inplace_raw_col", "ws_quarters", "ws_bulk", "ws_staged", "ws_paired_fits",
-           "ws_row_lane", "ws_plan", "WsPlan", "check_ws_nreg", "build_attn", "build_attn_ws", "build_combine",
-           "WS_NREG", "WS_PASS_CONFIGS", "WS_THREADS_PER_ROW", "WS_INPLACE_AHEAD", "WS_RAW_ROWS", "RAW_PAD",
-           "SMEM_LIMIT", "WS_CONSUMER_BARRIER", "WS_STORE_BARRIERS", "WS_PRELUDE", "WS_CONVERT", "WS_WIDEN",
-           "WS_COPY", "WS_BULK", "WS_BAR_SYNC", "WS_STORE", "WS_PERSIST", "COMBINE_THREADS", "COMBINE_VEC",
-           "COMBINE_CHUNK", "LOG2E", "LN2", "NEG_START", "MAX_HEAD_BLOCK", "MIN_HEAD_BLOCK", "valid_entries",
-           "rescale", "exponentiate", "online_softmax", "reciprocal", "normalize", "store_rows", "load_q"]
+# module -> the names the package exports from it
+_EXPORTS = {
+    "geometry": ("AttnGeometry", "DEFAULT_TILES", "head_block", "partial_heads", "LOG2E", "LN2", "NEG_START",
+                 "MAX_HEAD_BLOCK", "MIN_HEAD_BLOCK"),
+    "launch": ("AttnKernels", "AttnLaunch", "attn_kernels", "plan_launch", "plan_splits", "plan_tail", "PORTABLE",
+               "WARP_SPECIALIZED", "PERSISTENT", "TOPK_BLOCK", "WS_SPLIT_BLOCKS", "TAIL_MIN_BLOCKS",
+               "TAIL_MIN_SPLITS"),
+    "plan": ("DEFAULT_CTAS", "ws_supported", "ws_block", "ws_persistent", "ws_inplace_raw_col", "ws_quarters",
+             "ws_bulk", "ws_staged", "ws_paired_fits", "ws_row_lane", "ws_plan", "WsPlan", "check_ws_nreg", "WS_NREG",
+             "WS_PASS_CONFIGS", "WS_THREADS_PER_ROW", "WS_INPLACE_AHEAD", "WS_RAW_ROWS", "RAW_PAD", "SMEM_LIMIT",
+             "WS_CONSUMER_BARRIER", "WS_STORE_BARRIERS"),
+    "portable": ("build_attn",),
+    "ws_kernel": ("build_attn_ws",),
+    "combine": ("build_combine", "COMBINE_THREADS", "COMBINE_VEC", "COMBINE_CHUNK"),
+    "device": ("WS_PRELUDE", "WS_CONVERT", "WS_WIDEN", "WS_COPY", "WS_BULK", "WS_BAR_SYNC", "WS_STORE", "WS_PERSIST"),
+    "common": ("valid_entries", "rescale", "exponentiate", "online_softmax", "reciprocal", "normalize", "store_rows",
+               "load_q"),
+}
+_HOME = {name: module for module, names in _EXPORTS.items() for name in names}
+
+__all__ = list(_HOME)
+
+
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_HOME[name]}", __name__), name)
+    globals()[name] = value  # later lookups find it without this hook
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOME))

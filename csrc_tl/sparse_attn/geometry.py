@@ -5,8 +5,6 @@ Letters: T tokens, H heads, K top-k entries, S pool rows, NS splits (see :mod:`c
 
 from dataclasses import dataclass
 
-import tilelang.language as T
-
 from ..layout import KCacheLayout
 
 LOG2E = 1.4426950408889634
@@ -44,6 +42,8 @@ class AttnGeometry:
 
     @property
     def kv_dtype(self):
+        import tilelang.language as T  # here, so that planning a launch imports neither TileLang nor torch
+
         return {"bf16": T.bfloat16, "fp8": T.float8_e4m3fn, "packed": T.uint8}[self.kv_kind]
 
     def __str__(self) -> str:

@@ -1,7 +1,9 @@
 """The plan of a warp-specialized sparse-attention kernel (:func:`csrc_tl.sparse_attn.build_attn_ws`): which producer
 scheme gathers the top-k rows, how the consumer warpgroups share a block, the stages, the persistence and every size
 derived from them, decided once by :func:`ws_plan` from the kernel's key. The kernel's modules read the plan and
-decide nothing again.
+decide nothing again. Which kernels a call runs (this one or the portable ones, over which tokens, in how many
+splits) is the launch plan's, :mod:`csrc_tl.sparse_attn.launch`, which asks :func:`ws_supported` and
+:func:`ws_persistent` here.
 
 Producer schemes: bf16 rows are copied by cp.async straight into a stage (``copies_async``; over 64-row blocks of
 paired consumers in stage halves, ``halves``); FP8 rows with room for raw stages are copied raw and widened
@@ -99,7 +101,7 @@ def ws_block(geo: AttnGeometry, split: bool) -> int:
 
 # (named barrier id, threads) of the two consumer warpgroups together, between the work items of a persistent kernel
 WS_CONSUMER_BARRIER = (13, 256)
-# CTAs of a persistent kernel (build_attn_ws) unless given: the SM count of an H200 or H100 SXM
+# CTAs of a persistent kernel (build_attn_ws, and the launch plan's) unless given: the SM count of an H200 or H100 SXM
 DEFAULT_CTAS = 132
 # (named barrier id, threads) of the two consumer warpgroups' partial stores: ids above the few TileLang
 # numbers its own partial syncs with (1-5 in these kernels)

@@ -1,19 +1,30 @@
-"""GPU implementation of sparse attention: the launch plan (which kernels, how many splits) and the launches."""
+"""GPU implementation of sparse attention: the kernel keys of the launch plan (:mod:`csrc_tl.sparse_attn.launch`:
+which kernels, how many splits) and the launches."""
 
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
 from csrc_tl import sparse_attn as builders
-from csrc_tl.sparse_attn import DEFAULT_CTAS, AttnGeometry, head_block, partial_heads, ws_persistent, ws_supported
+from csrc_tl.sparse_attn import AttnGeometry
+from csrc_tl.sparse_attn.launch import (
+    PERSISTENT,
+    PORTABLE,
+    WARP_SPECIALIZED,
+    AttnKernels,
+    AttnLaunch,
+    attn_kernels,
+    plan_launch,
+    plan_splits,
+    plan_tail,
+)
 
 from .. import reference
-from ..ops import TOPK_MULTIPLE, AttnArgs, takes_checked
+from ..ops import AttnArgs, takes_checked
 from .common import aligned, check_pool, pool_rows, pool_slots
 from .compile import KernelKey, is_hopper, kernel, register_builder, sm_count
 
@@ -36,100 +47,56 @@ register_builder("attn_decode", lambda key: builders.build_attn(key.spec, split=
 register_builder("combine", lambda key: builders.build_combine(*key.spec, pdl="pdl" in key.flags))
 
 
+# The kernel families of the launch plan's kernels (csrc_tl.sparse_attn.launch)
+_PREFILL_FAMILIES = {PORTABLE: "attn_prefill", WARP_SPECIALIZED: "attn_prefill_ws", PERSISTENT: "attn_prefill_ws"}
+_SPLIT_FAMILIES = {PORTABLE: "attn_decode", WARP_SPECIALIZED: "attn_decode_ws"}
+
+
+def _kernel_keys(geo: AttnGeometry, kernels: AttnKernels) -> tuple[KernelKey, KernelKey, KernelKey]:
+    """``(prefill kernel, split kernel, combine)``: the keys of the launch plan's ``kernels`` of ``geo``."""
+    ctas = (kernels.ctas,) if kernels.prefill == PERSISTENT else ()  # the persistent kernel's grid
+    prefill = KernelKey(_PREFILL_FAMILIES[kernels.prefill], geo, ctas)
+    split = KernelKey(_SPLIT_FAMILIES[kernels.split], geo)
+    combine = KernelKey("combine", (geo.d_v, geo.heads, kernels.partial_heads), ("pdl",) if kernels.pdl else ())
+    return prefill, split, combine
+
+
+def _geometry(kv_kind: str, d_v: int, d_rope: int, heads: int, sm_scale: float, has_topk_length: bool,
+              q_fp8: bool) -> AttnGeometry:
+    geo = AttnGeometry(d_v, d_rope, heads, kv_kind, has_topk_length, float(sm_scale), q_fp8)
+    geo.check()
+    return geo
+
+
+def _sm90(target: str | None) -> bool:
+    """Whether ``target`` (default: this machine's) is sm_90 CUDA, where the warp-specialized kernels run."""
+    return target == "cuda" if target else is_hopper()
+
+
 def attn_keys(kv_kind: str, d_v: int, d_rope: int, heads: int, sm_scale: float, has_topk_length: bool,
               paths: Iterable[str] = ("prefill", "decode"), target: str | None = None,
               q_fp8: bool = False, sm_count: int | None = None) -> list[KernelKey]:
     """The kernels ``sparse_attn`` runs for one geometry on ``target`` (default: this machine's), in
     this order: the prefill kernel; the split decode kernels; the decode's combine (last).
 
-    Where the geometry allows on sm_90 CUDA (any head count), prefill and split decode are
-    warp-specialized, else both are the portable kernels. ``kv_kind`` is "bf16", "fp8" or "packed";
-    ``q_fp8`` picks the kernels for a float8_e4m3fn q. A persistent prefill kernel
-    (:func:`csrc_tl.sparse_attn.ws_persistent`) is compiled for ``sm_count`` CTAs: by default the current GPU's SM
-    count, or :data:`csrc_tl.sparse_attn.DEFAULT_CTAS` (an H200's) for another target or without a GPU."""
-    geo = AttnGeometry(d_v, d_rope, heads, kv_kind, has_topk_length, float(sm_scale), q_fp8)
-    geo.check()
-    hopper = target == "cuda" if target else is_hopper()
-    ws = hopper and ws_supported(geo)
-    keys = []
-    if "prefill" in paths:
-        if ws and ws_persistent(geo, split=False):
-            if sm_count is None:
-                here = target is None and torch.cuda.is_available()
-                sm_count = _sm_count_here() if here else DEFAULT_CTAS
-            keys.append(KernelKey("attn_prefill_ws", geo, (sm_count,)))
-        else:
-            keys.append(KernelKey("attn_prefill_ws" if ws else "attn_prefill", geo))
-    if "decode" in paths:
-        keys.append(KernelKey("attn_decode_ws" if ws else "attn_decode", geo))
-        # after a warp-specialized split kernel the combine is its programmatic dependent (sm_90)
-        keys.append(KernelKey("combine", (d_v, heads, partial_heads(heads, ws)), ("pdl",) if ws else ()))
-    return keys
-
-
-
-# Split decode on sm_90 (H200 measurements, BENCHMARKS.md): the warp-specialized split kernel wants
-# two top-k blocks per split or more (one block leaves it nothing to overlap).
-WS_SPLIT_BLOCKS = 2
-
-
-def plan_splits(tokens: int, heads: int, topk: int, sm_count: int, min_blocks: int = 1) -> int:
-    """Splits of the top-k range per (token, head block): 1 (the prefill path) once the grid fills the
-    GPU, else as many as keep the whole grid in one wave of one block per SM (a second wave of a few
-    blocks doubles the time) while every split keeps at least ``min_blocks`` top-k blocks; then the
-    fewest splits with as few blocks per split. GLM decode T 17 (33 blocks) takes 7 splits of 5 blocks
-    (the last one 3): the split kernels walk no padding block (H200: 18.1 against 18.8 us over packed
-    rows for 6 splits of 3 pairs; BENCHMARKS.md). (Head blocks are counted the same
-    for the portable kernels and for the warp-specialized ones, whose blocks are always 64 heads: both
-    give one block per token up to 32 heads and 64-head blocks above.)"""
-    blocks = tokens * math.ceil(heads / head_block(heads))
-    if blocks >= sm_count:
-        return 1
-    n_blocks = topk // TOPK_MULTIPLE
-    if n_blocks <= 1:
-        return 1
-    splits = max(1, min(n_blocks // min_blocks, sm_count // blocks))
-    # the fewest splits with as few blocks per split
-    return math.ceil(n_blocks / math.ceil(n_blocks / splits))
-
-
-# The last, partial round of a persistent prefill (items not a multiple of its CTAs, one per SM) keeps a few SMs busy
-# for a whole item while the others idle: its tokens take the split path instead, where that splits their top-k
-# ranges in TAIL_MIN_SPLITS parts or more and they have TAIL_MIN_BLOCKS top-k blocks or more (a shorter item, or
-# one split in two, takes about as long as the split path's own cost: a second kernel, the combine, the partials).
-# Measured (H200, BENCHMARKS.md), GLM packed prefill: T 4096 at 64 heads
-# (last 4 tokens in 16 splits) 1435-1440 against 1464-1474 us, at 8 heads 1379-1382 against 1413-1414; T 8192 (last
-# 8) 2889-2946 against 2901-2975 in five rounds; top-k 1024 762-763 against 768-774; top-k 512 425-427 against
-# 426-427; T 4136 (last 44 in 3 splits) 1462-1489 against 1471-1476; T 4150 (last 58 in 2) 1476-1500 against
-# 1473-1489. The prefills of one CTA per item gained nothing measurable (the hardware starts their last CTAs as SMs
-# come free, not all at once): DeepSeek bf16 4167-4209 against 4190-4244 us, DeepSeek native FP8 5103-5114 against
-# 5095-5143.
-TAIL_MIN_BLOCKS = 16
-TAIL_MIN_SPLITS = 3
-
-
-def plan_tail(tokens: int, heads: int, topk: int, ctas: int, sm_count: int) -> tuple[int, int]:
-    """``(prefill tokens, splits)`` for a persistent prefill of ``tokens`` on ``ctas`` CTAs: the tokens whose
-    (token, head block) items fill whole rounds of the CTAs go to the prefill kernel, and the rest, if any, to the
-    split path in ``splits`` parts. ``(tokens, 1)`` where nothing is split off: no partial round, too few tokens for
-    one round, or a rest that :func:`plan_splits` would split in fewer than :data:`TAIL_MIN_SPLITS` parts or whose
-    items are shorter than :data:`TAIL_MIN_BLOCKS` top-k blocks. GLM packed prefill T 4096 at 64 heads on 132 SMs:
-    4092 tokens in 31 rounds, the last 4 in 16 splits."""
-    per_token = math.ceil(heads / head_block(heads))
-    step = ctas // math.gcd(ctas, per_token)  # the fewest tokens whose head blocks fill whole rounds
-    main = tokens // step * step
-    if main in (0, tokens) or topk // TOPK_MULTIPLE < TAIL_MIN_BLOCKS:
-        return tokens, 1
-    splits = plan_splits(tokens - main, heads, topk, sm_count, WS_SPLIT_BLOCKS)
-    return (main, splits) if splits >= TAIL_MIN_SPLITS else (tokens, 1)
+    The launch plan picks them (:func:`csrc_tl.sparse_attn.launch.attn_kernels`): warp-specialized where the
+    geometry allows on sm_90 CUDA, else portable. ``kv_kind`` is "bf16", "fp8" or "packed"; ``q_fp8`` picks the
+    kernels for a float8_e4m3fn q. A persistent prefill kernel is compiled for ``sm_count`` CTAs: by default the
+    current GPU's SM count, or :data:`csrc_tl.sparse_attn.DEFAULT_CTAS` (an H200's) for another target or without
+    a GPU."""
+    geo = _geometry(kv_kind, d_v, d_rope, heads, sm_scale, has_topk_length, q_fp8)
+    if sm_count is None and target is None and torch.cuda.is_available():
+        sm_count = _sm_count_here()
+    prefill, split, combine = _kernel_keys(geo, attn_kernels(geo, _sm90(target), sm_count))
+    return ([prefill] if "prefill" in paths else []) + ([split, combine] if "decode" in paths else [])
 
 
 @dataclass(frozen=True)
 class AttnPlan:
-    """What ``sparse_attn`` launches for one call of ``tokens`` tokens: the prefill kernel over the first
-    ``prefill_tokens`` of them (none in a decode), then, where tokens remain (a decode, or a persistent prefill's
-    last partial round: :func:`plan_tail`), a split kernel over ``splits`` parts of their top-k ranges followed by
-    the combine."""
+    """What ``sparse_attn`` launches for one call of ``tokens`` tokens (the keys of its launch plan,
+    :class:`csrc_tl.sparse_attn.launch.AttnLaunch`): the prefill kernel over the first ``prefill_tokens`` of them
+    (none in a decode), then, where tokens remain (a decode, or a persistent prefill's last partial round:
+    :func:`plan_tail`), a split kernel over ``splits`` parts of their top-k ranges followed by the combine."""
 
     tokens: int
     prefill: KernelKey | None  # None in a decode
@@ -151,23 +118,23 @@ class AttnPlan:
             return self.prefill.family
         return f"{self.prefill.family} + {split} (last {self.tokens - self.prefill_tokens} tokens)"
 
+    @classmethod
+    def of(cls, geo: AttnGeometry, launch: AttnLaunch) -> AttnPlan:
+        """The kernel keys of ``launch``, a call's launch plan over ``geo``."""
+        prefill, split, combine = _kernel_keys(geo, launch.kernels)
+        if not launch.split_tokens:
+            return cls(launch.tokens, prefill, launch.tokens)
+        return cls(launch.tokens, prefill if launch.prefill_tokens else None, launch.prefill_tokens, (split, combine),
+                   launch.splits, launch.kernels.partial_heads)
+
 
 @functools.lru_cache(maxsize=4096)
 def plan_attn(kv_kind: str, d_v: int, d_rope: int, heads: int, sm_scale: float, has_topk_length: bool, q_fp8: bool,
               tokens: int, topk: int, sm_count: int, target: str | None = None) -> AttnPlan:
-    """The kernels and split count for one call (``target`` as in :func:`attn_keys`)."""
-    geo = (kv_kind, d_v, d_rope, heads, sm_scale, has_topk_length)
-    split = tuple(attn_keys(*geo, paths=("decode",), target=target, q_fp8=q_fp8))  # split kernel, combine
-    ws = split[0].family == "attn_decode_ws"
-    splits = plan_splits(tokens, heads, topk, sm_count, WS_SPLIT_BLOCKS if ws else 1)
-    if splits > 1:
-        return AttnPlan(tokens, None, 0, split, splits, split[1].spec[2])
-    prefill, = attn_keys(*geo, paths=("prefill",), target=target, q_fp8=q_fp8, sm_count=sm_count)
-    persistent = prefill.family == "attn_prefill_ws" and bool(prefill.flags)  # (flags: its CTAs)
-    main, splits = plan_tail(tokens, heads, topk, prefill.flags[0], sm_count) if persistent else (tokens, 1)
-    if splits > 1:
-        return AttnPlan(tokens, prefill, main, split, splits, split[1].spec[2])
-    return AttnPlan(tokens, prefill, tokens)
+    """The kernels and split count for one call (``target`` as in :func:`attn_keys`): the keys of its launch plan,
+    :func:`csrc_tl.sparse_attn.launch.plan_launch`."""
+    geo = _geometry(kv_kind, d_v, d_rope, heads, sm_scale, has_topk_length, q_fp8)
+    return AttnPlan.of(geo, plan_launch(geo, tokens, topk, sm_count, _sm90(target)))
 
 
 def warmup_keys(heads: int, d_nope: int, d_rope: int, sm_scale: float, kv_kinds=("bf16", "packed"),

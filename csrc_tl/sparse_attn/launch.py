@@ -1,0 +1,161 @@
+"""The launch plan of sparse attention: which kernels one geometry compiles on a target (:func:`attn_kernels`) and
+how one call of T tokens runs on them (:func:`plan_launch`), decided once, from the geometry, the call's shape, the
+GPU's SM count and whether the target is sm_90 CUDA. The backend asks the plan and launches; it decides nothing.
+
+A call runs the prefill kernel over its first ``prefill_tokens`` tokens (one CTA per (token, head block), or a
+persistent grid that walks them) and the split path over the rest: the split kernel over ``splits`` parts of each
+remaining token's top-k range, then the combine that merges the parts. A decode (few tokens) takes the split path
+only; a persistent prefill sends the tokens of its last, partial round there (:func:`plan_tail`).
+
+Letters: T tokens, H heads, K top-k entries (see :mod:`csrc_tl.sparse_attn`).
+"""
+
+import math
+from dataclasses import dataclass
+
+from .geometry import DEFAULT_TILES, AttnGeometry, head_block, partial_heads
+from .plan import DEFAULT_CTAS, ws_persistent, ws_supported
+
+__all__ = ["PORTABLE", "WARP_SPECIALIZED", "PERSISTENT", "TOPK_BLOCK", "WS_SPLIT_BLOCKS", "TAIL_MIN_BLOCKS",
+           "TAIL_MIN_SPLITS", "AttnKernels", "AttnLaunch", "attn_kernels", "plan_launch", "plan_splits", "plan_tail"]
+
+# The kernels (AttnKernels.prefill, AttnKernels.split): build_attn, build_attn_ws with one CTA per (token, head block)
+# item, build_attn_ws persistent (ws_persistent: a grid of AttnKernels.ctas CTAs walks the items)
+PORTABLE = "portable"
+WARP_SPECIALIZED = "ws"
+PERSISTENT = "persistent"
+
+# Top-k rows of a block of either split kernel (the portable kernel's decode tile; the warp-specialized split kernel
+# always takes 64-row blocks): a split is whole blocks of a token's top-k range, whose width is a multiple of it.
+TOPK_BLOCK = DEFAULT_TILES["decode"]["block_i"]
+
+# Split decode on sm_90 (H200 measurements, BENCHMARKS.md): the warp-specialized split kernel wants
+# two top-k blocks per split or more (one block leaves it nothing to overlap).
+WS_SPLIT_BLOCKS = 2
+
+# The last, partial round of a persistent prefill (items not a multiple of its CTAs, one per SM) keeps a few SMs busy
+# for a whole item while the others idle: its tokens take the split path instead, where that splits their top-k
+# ranges in TAIL_MIN_SPLITS parts or more and they have TAIL_MIN_BLOCKS top-k blocks or more (a shorter item, or
+# one split in two, takes about as long as the split path's own cost: a second kernel, the combine, the partials).
+# Measured (H200, BENCHMARKS.md), GLM packed prefill: T 4096 at 64 heads
+# (last 4 tokens in 16 splits) 1435-1440 against 1464-1474 us, at 8 heads 1379-1382 against 1413-1414; T 8192 (last
+# 8) 2889-2946 against 2901-2975 in five rounds; top-k 1024 762-763 against 768-774; top-k 512 425-427 against
+# 426-427; T 4136 (last 44 in 3 splits) 1462-1489 against 1471-1476; T 4150 (last 58 in 2) 1476-1500 against
+# 1473-1489. The prefills of one CTA per item gained nothing measurable (the hardware starts their last CTAs as SMs
+# come free, not all at once): DeepSeek bf16 4167-4209 against 4190-4244 us, DeepSeek native FP8 5103-5114 against
+# 5095-5143.
+TAIL_MIN_BLOCKS = 16
+TAIL_MIN_SPLITS = 3
+
+
+@dataclass(frozen=True)
+class AttnKernels:
+    """The kernels of one geometry on one target (made by :func:`attn_kernels`): the prefill kernel, the split
+    kernel and the combine after it. Every call of the geometry runs some of them (:class:`AttnLaunch`)."""
+
+    prefill: str  # PORTABLE, WARP_SPECIALIZED or PERSISTENT
+    ctas: int  # CTAs of a PERSISTENT prefill (its grid); 0 for the others
+    split: str  # the split kernel: PORTABLE or WARP_SPECIALIZED
+    partial_heads: int  # head rows of the split kernel's partial output (whole head blocks), which the combine reads
+    pdl: bool  # the combine is launched as the split kernel's programmatic dependent (sm_90)
+
+    def __post_init__(self):
+        assert self.prefill in (PORTABLE, WARP_SPECIALIZED, PERSISTENT), f"unknown prefill kernel {self.prefill}"
+        assert self.split in (PORTABLE, WARP_SPECIALIZED), f"unknown split kernel {self.split}"
+        assert (self.ctas >= 1) == (self.prefill == PERSISTENT), "CTAs are the persistent prefill's grid"
+
+
+@dataclass(frozen=True)
+class AttnLaunch:
+    """What one call of ``tokens`` tokens launches (made by :func:`plan_launch`): the prefill kernel of ``kernels``
+    over the first ``prefill_tokens`` tokens (none in a decode), then, where tokens remain (``split_tokens``: a
+    decode's, or a persistent prefill's last partial round, :func:`plan_tail`), the split kernel over ``splits``
+    parts of their top-k ranges and the combine."""
+
+    kernels: AttnKernels
+    tokens: int
+    prefill_tokens: int
+    splits: int = 1  # parts of each split-path token's top-k range; 1 where no token takes the split path
+
+    def __post_init__(self):
+        assert 0 <= self.prefill_tokens <= self.tokens, "the prefill takes some of the call's tokens"
+        assert (self.splits > 1) == (self.prefill_tokens < self.tokens), "the split path runs where tokens remain"
+
+    @property
+    def split_tokens(self) -> int:
+        """The last tokens, which take the split path (0 where the prefill takes them all)."""
+        return self.tokens - self.prefill_tokens
+
+
+def attn_kernels(geo: AttnGeometry, sm90: bool, sm_count: int | None = None) -> AttnKernels:
+    """The kernels of ``geo`` on a target, sm_90 CUDA where ``sm90``. There, where the geometry allows
+    (:func:`csrc_tl.sparse_attn.ws_supported`, any head count), the prefill and the split kernel are warp-specialized,
+    else both are portable. A warp-specialized prefill that :func:`csrc_tl.sparse_attn.ws_persistent` builds persistent
+    launches one CTA per SM: ``sm_count`` of them, or :data:`csrc_tl.sparse_attn.DEFAULT_CTAS` (an H200's) where
+    None. After a warp-specialized split kernel the combine is its programmatic dependent."""
+    ws = sm90 and ws_supported(geo)
+    if not ws:
+        prefill, ctas = PORTABLE, 0
+    elif ws_persistent(geo, split=False):
+        prefill, ctas = PERSISTENT, DEFAULT_CTAS if sm_count is None else sm_count
+    else:
+        prefill, ctas = WARP_SPECIALIZED, 0
+    split = WARP_SPECIALIZED if ws else PORTABLE
+    return AttnKernels(prefill, ctas, split, partial_heads(geo.heads, ws), pdl=ws)
+
+
+def plan_launch(geo: AttnGeometry, tokens: int, topk: int, sm_count: int, sm90: bool) -> AttnLaunch:
+    """The launch of one call over ``tokens`` tokens (T >= 1) of top-k width ``topk`` (K, a multiple of
+    :data:`TOPK_BLOCK`) on a GPU of ``sm_count`` SMs, on sm_90 CUDA where ``sm90``, with the kernels of
+    :func:`attn_kernels` (a persistent prefill on ``sm_count`` CTAs). The split path takes every token where
+    :func:`plan_splits` splits their top-k ranges (a decode: too few (token, head block) items to fill the GPU),
+    else the prefill takes them, all but a persistent prefill's last partial round (:func:`plan_tail`).
+    GLM packed prefill T 4096 at 64 heads on 132 SMs, sm_90: the persistent prefill over 4092 tokens, the last 4
+    in 16 splits; a decode T 1 at 64 heads: 16 splits of the warp-specialized split kernel (32 of the portable
+    one elsewhere)."""
+    assert tokens >= 1, "a call of no tokens launches nothing"
+    kernels = attn_kernels(geo, sm90, sm_count)
+    min_blocks = WS_SPLIT_BLOCKS if kernels.split == WARP_SPECIALIZED else 1
+    splits = plan_splits(tokens, geo.heads, topk, sm_count, min_blocks)
+    if splits > 1:
+        return AttnLaunch(kernels, tokens, 0, splits)
+    if kernels.prefill == PERSISTENT:
+        prefill_tokens, splits = plan_tail(tokens, geo.heads, topk, kernels.ctas, sm_count)
+        return AttnLaunch(kernels, tokens, prefill_tokens, splits)
+    return AttnLaunch(kernels, tokens, tokens)
+
+
+def plan_splits(tokens: int, heads: int, topk: int, sm_count: int, min_blocks: int = 1) -> int:
+    """Splits of the top-k range per (token, head block): 1 (the prefill path) once the grid fills the
+    GPU, else as many as keep the whole grid in one wave of one block per SM (a second wave of a few
+    blocks doubles the time) while every split keeps at least ``min_blocks`` top-k blocks; then the
+    fewest splits with as few blocks per split. GLM decode T 17 (33 blocks) takes 7 splits of 5 blocks
+    (the last one 3): the split kernels walk no padding block (H200: 18.1 against 18.8 us over packed
+    rows for 6 splits of 3 pairs; BENCHMARKS.md). (Head blocks are counted the same
+    for the portable kernels and for the warp-specialized ones, whose blocks are always 64 heads: both
+    give one block per token up to 32 heads and 64-head blocks above.)"""
+    blocks = tokens * math.ceil(heads / head_block(heads))
+    if blocks >= sm_count:
+        return 1
+    n_blocks = topk // TOPK_BLOCK
+    if n_blocks <= 1:
+        return 1
+    splits = max(1, min(n_blocks // min_blocks, sm_count // blocks))
+    # the fewest splits with as few blocks per split
+    return math.ceil(n_blocks / math.ceil(n_blocks / splits))
+
+
+def plan_tail(tokens: int, heads: int, topk: int, ctas: int, sm_count: int) -> tuple[int, int]:
+    """``(prefill tokens, splits)`` for a persistent prefill of ``tokens`` on ``ctas`` CTAs: the tokens whose
+    (token, head block) items fill whole rounds of the CTAs go to the prefill kernel, and the rest, if any, to the
+    split path in ``splits`` parts. ``(tokens, 1)`` where nothing is split off: no partial round, too few tokens for
+    one round, or a rest that :func:`plan_splits` would split in fewer than :data:`TAIL_MIN_SPLITS` parts or whose
+    items are shorter than :data:`TAIL_MIN_BLOCKS` top-k blocks. GLM packed prefill T 4096 at 64 heads on 132 SMs:
+    4092 tokens in 31 rounds, the last 4 in 16 splits."""
+    per_token = math.ceil(heads / head_block(heads))
+    step = ctas // math.gcd(ctas, per_token)  # the fewest tokens whose head blocks fill whole rounds
+    main = tokens // step * step
+    if main in (0, tokens) or topk // TOPK_BLOCK < TAIL_MIN_BLOCKS:
+        return tokens, 1
+    splits = plan_splits(tokens - main, heads, topk, sm_count, WS_SPLIT_BLOCKS)
+    return (main, splits) if splits >= TAIL_MIN_SPLITS else (tokens, 1)
