@@ -28,27 +28,51 @@ def test_format_table_aligns_columns():
     assert format_table(["a", "bb"], [["ccc", "d"]]).splitlines() == ["a    bb", "---  --", "ccc  d"]
 
 
-def _cpu_cases(monkeypatch):
-    # the bench's case table, built without a GPU as on an H200 (132 SMs), so the kernel column can be checked
+@pytest.fixture
+def h200(monkeypatch):
+    """The bench's case tables built without a GPU as on an H200 (132 SMs, sm_90), so that the kernels they name
+    can be checked; the attention plans made meanwhile are cleared after the test (plans are cached per process)."""
     from types import SimpleNamespace
 
     import torch
 
     from sparse_dsa_ops import _cuda
-    from sparse_dsa_ops.__main__ import bench_cases
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
     monkeypatch.setattr(_cuda.attention, "is_hopper", lambda: True)
-    _cuda.plan_attn.cache_clear()  # plans are cached per process; this one pretends to be an H200
-    try:
-        return {c["name"]: c for c in bench_cases()}
-    finally:
-        _cuda.plan_attn.cache_clear()
+    _cuda.plan_attn.cache_clear()
+    yield
+    _cuda.plan_attn.cache_clear()
 
 
-@pytest.mark.xfail(reason="not yet updated to the indexer and top-k bench cases and keys", strict=False)
-def test_bench_cases_name_their_kernels(monkeypatch):
-    cases = _cpu_cases(monkeypatch)
+def _cases() -> dict[str, dict]:
+    from sparse_dsa_ops.__main__ import bench_cases
+
+    return {c["name"]: c for c in bench_cases()}
+
+
+def _named_by_path(case: dict) -> bool:
+    """Whether ``case``'s path names the kernels of its keys: the families of the K-cache and attention kernels, the
+    indexer kernel's own name, the top-k kernels by how many CTAs take a row."""
+    from csrc_tl import index, topk
+    from sparse_dsa_ops import _cuda
+
+    keys, path = case["keys"], case["path"]
+    if all(isinstance(k, _cuda.KernelKey) for k in keys):
+        return path.startswith(keys[0].family) and all(k.family in path for k in keys)
+    if all(isinstance(k, (index.QuantIndexKey, index.IndexLogitsKey, index.PagedLogitsKey)) for k in keys):
+        return len(keys) == 1 and path == keys[0].name
+    if len(keys) == 1 and isinstance(keys[0], topk.TopkKey):
+        return path == "a CTA a row"
+    stages = [k.stage for k in keys if isinstance(k, topk.TopkSplitKey)]
+    chunks = path.removesuffix(" CTAs a row")
+    return stages == ["hist", "select"] and chunks.isdigit() and int(chunks) > 1
+
+
+def test_bench_cases_name_their_kernels(h200):
+    from sparse_dsa_ops import _cuda
+
+    cases = _cases()
     assert cases["decode glm bf16 T1 S65536 H64 k2048"]["path"] == "attn_decode_ws x16 + combine"
     assert cases["decode glm packed T1 S65536 H64 k2048"]["path"] == "attn_decode_ws x16 + combine"
     assert cases["prefill deepseek bf16 T4096 S8192 H128 k2048"]["path"] == "attn_prefill_ws"
@@ -58,26 +82,60 @@ def test_bench_cases_name_their_kernels(monkeypatch):
     assert cases["prefill deepseek bf16 T4096 S8192 H16 k2048"]["path"] == "attn_prefill_ws"
     assert cases["decode deepseek packed T256 S65536 H128 k2048"]["path"] == "attn_prefill_ws"
     assert cases["dequant_k_cache glm 1M rows"]["path"] == "dequant"
-    for case in cases.values():
-        assert [k.family for k in case["keys"]][0] in case["path"]
+    # the indexer's warp-specialized kernels for FP8 queries at every head count, the paged one over 64-token pages
+    assert cases["index_logits h8 T4096 N64K"]["path"] == "index_logits_d128_h8_qfp8_ws"
+    assert cases["paged_index_logits h64 B1 128K"]["path"] == "paged_index_logits_d128_h64_p64_qfp8_ws_s16"
+    assert cases["store_index_k 1M rows"]["path"] == "store_index_k_d128_p64_i32"
+    # top-k: the few long rows of a decode are split over CTAs, the 4096 rows of a prefill fill the GPU by themselves
+    assert cases["topk k2048 of 128K, 1 rows"]["path"].endswith(" CTAs a row")
+    assert cases["topk k2048 of 64K, 4096 rows causal"]["path"] == "a CTA a row"
+    for name, case in cases.items():
+        assert case["keys"] and _named_by_path(case), (name, case["path"], case["keys"])
+        for key in case["keys"]:
+            _cuda.pass_configs(key)  # a builder is registered for every key (a KeyError otherwise)
+        if case["op"] == "topk":
+            assert all(key.k == 2048 for key in case["keys"]), name
 
 
-@pytest.mark.xfail(reason="not yet updated to the indexer and top-k bench cases and keys", strict=False)
-def test_every_target_names_a_bench_case(monkeypatch):
+COPY = (">=", 0.85, "of copy")
+
+
+def test_every_target_names_a_bench_case(h200):
+    # DESIGN.md's targets, each on the bench case that measures it
     from sparse_dsa_ops.__main__ import targets
 
-    cases = _cpu_cases(monkeypatch)
-    TARGETS = {name: case["target"] for name, case in cases.items() if case.get("target")}
-    assert TARGETS == targets()
-    # DESIGN.md's nine attention targets and the cache ops of both geometries
-    assert sum(unit != "of copy" for _, _, unit in TARGETS.values()) == 9
-    assert sum(unit == "of copy" for _, _, unit in TARGETS.values()) == 10
+    want = {
+        "prefill deepseek bf16 T4096 S8192 H128 k2048": (">=", 600.0, "TFLOPS"),
+        "prefill glm bf16 T4096 S8192 H64 k2048": (">=", 450.0, "TFLOPS"),
+        "prefill glm packed T4096 S8192 H64 k2048": (">=", 400.0, "TFLOPS"),
+        "decode deepseek packed T256 S65536 H128 k2048": (">=", 400.0, "TFLOPS"),
+        "decode deepseek bf16 T1 S65536 H128 k2048": ("<=", 20.0, "us"),
+        "decode glm bf16 T1 S65536 H64 k2048": ("<=", 15.0, "us"),
+        "decode glm bf16 T17 S65536 H64 k2112": ("<=", 20.0, "us"),
+        "decode glm packed T1 S65536 H64 k2048": ("<=", 10.0, "us"),
+        "decode glm packed T17 S65536 H64 k2112": ("<=", 15.0, "us"),
+    }
+    cache_ops = ("quant_k_cache", "store_k_cache", "dequant_k_cache", "gather_k_cache", "gather_dequant_k_cache")
+    want |= {f"{op} {geo} 1M rows": COPY for op in cache_ops for geo in ("deepseek", "glm")}
+    # the indexer: logits within 1.4x of their roof at 8 to 64 heads, a paged batch at its roof, one paged row of
+    # 128K tokens in 12 us; its cache stores as the K cache's, a few rows in 3 us
+    want |= {f"index_logits h{h} T4096 N64K": ("<=", 1.4, "x roof") for h in (64, 32, 16, 8)}
+    want["index_logits h64 T4096 N64K causal"] = ("<=", 1.4, "x roof")
+    want |= {f"paged_index_logits h{h} B64 128K": ("<=", 1.0, "x roof") for h in (64, 8)}
+    want |= {f"paged_index_logits h{h} B1 128K": ("<=", 12.0, "us") for h in (64, 8)}
+    want |= {f"{op} 1M rows": COPY for op in ("quant_index", "store_index_k")}
+    want |= {f"{op} 16 rows": ("<=", 3.0, "us") for op in ("quant_index", "store_index_k")}
+    # top-k 2048 of 128K: one row in 12 us, four in 25 us, many rows at 70% of the copy
+    want |= {"topk k2048 of 128K, 1 rows": ("<=", 12.0, "us"), "topk k2048 of 128K, 4 rows": ("<=", 25.0, "us"),
+             "topk k2048 of 128K, 64 rows": (">=", 0.70, "of copy"),
+             "topk k2048 of 64K, 4096 rows causal": (">=", 0.70, "of copy")}
+    assert targets() == want
 
 
-def test_bench_row_reports_the_median_the_range_and_the_target(monkeypatch):
+def test_bench_row_reports_the_median_the_range_and_the_target(h200):
     from sparse_dsa_ops.__main__ import bench_row
 
-    cases = _cpu_cases(monkeypatch)
+    cases = _cases()
     ceil = {"matmul_tflops": 800.0, "copy_gbps": 2600.0}
     # GLM packed decode at T 17, target <= 15 us: the median of three rounds decides
     row, record = bench_row(cases["decode glm packed T17 S65536 H64 k2112"], [15.3, 14.6, 14.8], ceil)

@@ -22,6 +22,7 @@ LAYOUTS = {"656": KCacheLayout(512, 64), "264": KCacheLayout(256, 0)}
 CACHE_OPS = ["quant_k_cache", "store_k_cache", "dequant_k_cache", "gather_k_cache", "gather_dequant_k_cache"]
 ATTN = {"glm-256+0-h64": (256, 0, 64), "deepseek-512+64-h128": (512, 64, 128), "512+0-h16": (512, 0, 16)}
 LOWERING = pytest.mark.lowering
+PATHS = {"prefill": 0, "split": 1}  # the index of each kernel in a geometry's attn_keys
 
 
 def sweep(values, keep=lambda v: False, ids=None):
@@ -113,9 +114,9 @@ def test_quant_kernels_refuse_odd_tails(launches, op):
 
 @pytest.mark.parametrize("name, kind, target", sweep(
     [(n, k, t) for n in ATTN for k in ("bf16", "packed", "fp8") for t in ("cuda", "hip")],
-    keep=lambda c: c in {("deepseek-512+64-h128", "packed", "cuda"), ("glm-256+0-h64", "fp8", "cuda"),
-                         ("512+0-h16", "bf16", "cuda"), ("deepseek-512+64-h128", "packed", "hip"),
-                         ("glm-256+0-h64", "bf16", "hip")}))
+    # the default run: DeepSeek's packed kernels for sm_90a (warp-specialized prefill and split decode, combine with
+    # a tail) and GLM's bf16 kernels for gfx950 (the portable ones, without a tail)
+    keep=lambda c: c in {("deepseek-512+64-h128", "packed", "cuda"), ("glm-256+0-h64", "bf16", "hip")}))
 def test_attention_sources(name, kind, target):
     keys = attn_keys(name, kind, target=target)
     # the warp-specialized kernels are CUDA-only; under 64 heads they pad the head block (512+0-h16)
@@ -229,6 +230,7 @@ def test_attention_sources(name, kind, target):
         assert "pdl" not in keys[-1].flags and "GridDependency" not in combine
 
 
+@LOWERING
 def test_tail_gemm_is_compiled_out():
     # the same kernel with and without a tail differs by exactly the tail's GEMM and copies
     with_tail = kernel_body(source(attn_keys("deepseek-512+64-h128", "bf16")[0], "cuda"))
@@ -237,16 +239,17 @@ def test_tail_gemm_is_compiled_out():
     assert "kt_s" not in no_tail
 
 
-def test_topk_length_variant_takes_the_lengths():
-    plain = source(attn_keys("glm-256+0-h64", "packed")[1], "cuda")
-    with_len = source(attn_keys("glm-256+0-h64", "packed", has_len=True)[1], "cuda")
+@pytest.mark.parametrize("name, path", [("deepseek-512+64-h128", "prefill"),
+                                        pytest.param("glm-256+0-h64", "split", marks=LOWERING)])
+def test_topk_length_variant_takes_the_lengths(name, path):
+    plain = source(attn_keys(name, "packed")[PATHS[path]], "cuda")
+    with_len = source(attn_keys(name, "packed", has_len=True)[PATHS[path]], "cuda")
     assert "topk_length" not in plain and "topk_length" in with_len
 
 
 NVCC = shutil.which("nvcc")
-# the warp-specialized kernels of the GPU suite the default run lowers: prefill and split decode of each kv kind
-SUITE_WS_SAMPLE = {*attn_keys("deepseek-512+64-h128", "packed")[:2], attn_keys("glm-256+0-h64", "fp8")[0],
-                   attn_keys("deepseek-512+64-h128", "bf16")[1]}
+# the warp-specialized kernels of the GPU suite the default run lowers: those test_attention_sources lowers
+SUITE_WS_SAMPLE = set(attn_keys("deepseek-512+64-h128", "packed")[:2])
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
@@ -317,6 +320,7 @@ def test_every_shared_buffer_has_a_name(key):
     assert not UNNAMED_BUFFER.search(source(key, "cuda"))
 
 
+@LOWERING
 def test_lowering_is_the_same_in_every_process():
     # kernels that came out differently from process to process before their buffers were named
     code = ("from sparse_dsa_ops import _cuda; import hashlib; "
@@ -328,7 +332,8 @@ def test_lowering_is_the_same_in_every_process():
     assert all(run.returncode == 0 for run in runs) and len(outs) == 1, outs
 
 
-@pytest.mark.parametrize("tokens, heads, topk, min_blocks, splits", [
+# (tokens, heads, top-k, blocks a split at least, the plan's split count)
+SPLIT_PLANS = [
     (1, 64, 2048, 1, 32),  # GLM T1: one block per split, 32 blocks in flight
     (1, 64, 2048, 2, 16),  # the warp-specialized split kernel: two blocks per split
     (17, 64, 2112, 1, 7),  # GLM T17: 119 blocks, one wave on 132 SMs (8 splits would be 136: two waves)
@@ -340,7 +345,11 @@ def test_lowering_is_the_same_in_every_process():
     (3, 16, 64, 1, 1),  # one top-k block cannot be split
     (3, 64, 64, 2, 1),
     (3, 64, 0, 2, 1),
-])
+]
+
+
+@pytest.mark.parametrize("tokens, heads, topk, min_blocks, splits", SPLIT_PLANS,
+                         ids=[f"T{t}-h{h}-k{k}-min{m}" for t, h, k, m, _ in SPLIT_PLANS])
 def test_decode_split_plan(tokens, heads, topk, min_blocks, splits):
     plan = _cuda.plan_splits(tokens, heads, topk, 132, min_blocks)
     assert plan == splits
@@ -381,7 +390,7 @@ def test_decode_split_plan(tokens, heads, topk, min_blocks, splits):
     ("packed", "glm-256+0-h64", 4096, 2048, "hip", "attn_prefill"),
     ("packed", "512+0-h16", 1, 2048, "cuda", "attn_decode_ws x16 + combine"),
     ("bf16", "512+0-h16", 1, 2048, "hip", "attn_decode x32 + combine"),
-])
+], ids=lambda v: "{}+{}-h{}".format(*v) if isinstance(v, tuple) else None)
 def test_attention_plan(kind, geo, tokens, topk, target, plan):
     d_v, d_rope, heads = ATTN[geo] if isinstance(geo, str) else geo
     got = _cuda.plan_attn(kind, d_v, d_rope, heads, (d_v + d_rope) ** -0.5, False, False, tokens, topk, 132, target)
@@ -507,6 +516,7 @@ def test_ws_kernels_need_whole_chunks_per_half(kind, path):
     assert str(plan) == path
 
 
+@LOWERING
 def test_staged_copies_respect_row_alignment():
     # the 392-byte packed row (256 + 64): rows and the bf16 tail at byte 264 are 8-byte aligned only,
     # so every cp.async of the staged producer moves 8 bytes (a 16-byte copy there is a misaligned
@@ -546,8 +556,8 @@ def test_inplace_raw_columns_fill_whole_lines():
             assert len(mates) == 8 and len({u // 32 for u in mates}) == 1
 
 
-@pytest.mark.parametrize("kind", ["packed", "fp8"])
-@pytest.mark.parametrize("path", [0, 1])  # the prefill and the split kernel
+@pytest.mark.parametrize("kind", ["packed", pytest.param("fp8", marks=LOWERING)])
+@pytest.mark.parametrize("path", ["prefill", "split"])
 def test_inplace_producer_schedule(kind, path):
     # the in-place producer (512+64 FP8 rows) issues the copies of a block's passes WS_INPLACE_AHEAD (2)
     # ahead of their widening: three passes' copies committed before it waits for the first, each wait
@@ -558,7 +568,7 @@ def test_inplace_producer_schedule(kind, path):
     from csrc_tl.sparse_attn import WS_INPLACE_AHEAD
 
     assert WS_INPLACE_AHEAD == 2
-    key = attn_keys("deepseek-512+64-h128", kind)[path]
+    key = attn_keys("deepseek-512+64-h128", kind)[PATHS[path]]
     roles = re.split(r"warpgroup_reg_(?:alloc|dealloc)<\d+>", kernel_body(source(key, "cuda")))[1:]
     scale_load = r"(\(float4\*\)\(\(\(float\*\)scales\))"
 
@@ -577,16 +587,22 @@ def test_inplace_producer_schedule(kind, path):
 
 
 @pytest.mark.parametrize("name, kind, path, paired, halves", [
-    ("glm-256+0-h64", "bf16", 0, True, False),  # prefill of narrow bf16 rows: 128-row blocks in pairs
-    ("glm-256+0-h64", "bf16", 1, False, False),  # its split kernel
-    ("deepseek-512+64-h128", "bf16", 0, True, True),  # 64-row blocks in pairs, FlashMLA's pipeline
-    ("deepseek-512+64-h128", "bf16", 1, False, False),
-    ("glm-256+0-h64", "packed", 0, False, False),  # FP8 rows: the producer bounds the kernel
+    # FP8 rows: the producer bounds the kernel
+    pytest.param("deepseek-512+64-h128", "packed", "prefill", False, False, id="deepseek-packed-prefill-single"),
+    pytest.param("glm-256+0-h64", "packed", "prefill", False, False, id="glm-packed-prefill-single", marks=LOWERING),
+    # prefill of narrow bf16 rows: 128-row blocks in pairs; its split kernel
+    pytest.param("glm-256+0-h64", "bf16", "prefill", True, False, id="glm-bf16-prefill-paired", marks=LOWERING),
+    pytest.param("glm-256+0-h64", "bf16", "split", False, False, id="glm-bf16-split-single", marks=LOWERING),
+    # 64-row blocks in pairs, FlashMLA's pipeline
+    pytest.param("deepseek-512+64-h128", "bf16", "prefill", True, True, id="deepseek-bf16-prefill-paired-halves",
+                 marks=LOWERING),
+    pytest.param("deepseek-512+64-h128", "bf16", "split", False, False, id="deepseek-bf16-split-single",
+                 marks=LOWERING),
 ])
 def test_paired_consumers(name, kind, path, paired, halves):
     # paired consumers: warpgroup 1 scores a block of its own and multiplies its own probabilities
     # from registers; the row sums pass between the consumers outside TileLang's shared buffers
-    body = kernel_body(source(attn_keys(name, kind)[path], "cuda"))
+    body = kernel_body(source(attn_keys(name, kind)[PATHS[path]], "cuda"))
     roles = re.split(r"warpgroup_reg_(?:alloc|dealloc)<\d+>", body)[1:]
     assert ("wgmma_rs" in roles[1]) == paired
     assert ("dsa_row_sum" in body) == paired
@@ -614,7 +630,8 @@ def test_register_budgets_fit_the_launch():
         check_ws_nreg(budgets, producers)
 
 
-@pytest.mark.parametrize("nreg", [(232, 160, 112), (240, 168, 104), (160, 200, 80)])
+@pytest.mark.parametrize("nreg", [(232, 160, 112), (240, 168, 104), (160, 200, 80)],
+                         ids=lambda nreg: "-".join(map(str, nreg)))
 def test_ws_register_budgets_must_fit_the_launch(nreg):
     # a CTA of 384 threads launches with 168 registers a thread: setmaxnreg raises the consumers' budgets
     # from there and lowers the producer's, so a consumer budget under 168 is an illegal instruction and
@@ -648,38 +665,39 @@ def test_producer_rows_and_lanes(quarters):
 
 
 @pytest.mark.parametrize("name, kind, path, quarters", [
-    ("glm-256+0-h64", "bf16", 0, False),  # bf16 rows: cp.async straight into the stage
-    ("glm-256+0-h64", "packed", 0, True),  # the prefill over bulk-copied packed rows
-    ("glm-256+0-h64", "packed", 1, True),  # its split kernel
-    ("glm-256+0-h64", "fp8", 0, True),
-    ("deepseek-512+64-h128", "packed", 0, True),  # in place: the DeepSeek packed decode of T 256 runs here
-    ("deepseek-512+64-h128", "packed", 1, True),
-    ("deepseek-512+64-h128", "fp8", 0, True),
+    ("glm-256+0-h64", "bf16", "prefill", False),  # bf16 rows: cp.async straight into the stage
+    ("glm-256+0-h64", "packed", "prefill", True),  # the prefill over bulk-copied packed rows
+    ("glm-256+0-h64", "packed", "split", True),  # its split kernel
+    ("glm-256+0-h64", "fp8", "prefill", True),
+    ("deepseek-512+64-h128", "packed", "prefill", True),  # in place: the DeepSeek packed decode of T 256 runs here
+    ("deepseek-512+64-h128", "packed", "split", True),
+    ("deepseek-512+64-h128", "fp8", "prefill", True),
 ])
 def test_quarter_warp_rows(name, kind, path, quarters):
     # which warp-specialized kernels map producer threads to rows by quarter warps (ws_quarters;
     # measured choices, BENCHMARKS.md)
     from csrc_tl.sparse_attn import ws_block, ws_quarters
 
-    key = attn_keys(name, kind)[path]
+    key = attn_keys(name, kind)[PATHS[path]]
+    split = path == "split"
     assert key.family.endswith("_ws")
-    assert ws_quarters(key.spec, path == 1, ws_block(key.spec, path == 1)) is quarters
+    assert ws_quarters(key.spec, split, ws_block(key.spec, split)) is quarters
 
 
 @pytest.mark.parametrize("name, kind, path, rows", [
-    ("glm-256+0-h64", "bf16", 0, 128),
-    ("glm-256+0-h64", "fp8", 0, 128),  # native FP8 rows: two 64-row raw copies fill a 128-row stage
-    ("glm-256+0-h64", "packed", 0, 128),  # bulk-copied rows (measured slower at 128 with cp.async copies)
-    ("glm-256+0-h64", "packed", 1, 64),
-    ("glm-256+0-h64", "fp8", 1, 64),  # split kernels: whole 64-row blocks
-    ("deepseek-512+64-h128", "fp8", 0, 64),
-    ("deepseek-512+64-h128", "bf16", 0, 64),
+    ("glm-256+0-h64", "bf16", "prefill", 128),
+    ("glm-256+0-h64", "fp8", "prefill", 128),  # native FP8 rows: two 64-row raw copies fill a 128-row stage
+    ("glm-256+0-h64", "packed", "prefill", 128),  # bulk-copied rows (measured slower at 128 with cp.async copies)
+    ("glm-256+0-h64", "packed", "split", 64),
+    ("glm-256+0-h64", "fp8", "split", 64),  # split kernels: whole 64-row blocks
+    ("deepseek-512+64-h128", "fp8", "prefill", 64),
+    ("deepseek-512+64-h128", "bf16", "prefill", 64),
 ])
 def test_ws_block_rows(name, kind, path, rows):
     from csrc_tl.sparse_attn import ws_block
 
-    key = attn_keys(name, kind)[path]
-    assert ws_block(key.spec, path == 1) == rows
+    key = attn_keys(name, kind)[PATHS[path]]
+    assert ws_block(key.spec, path == "split") == rows
 
 
 @pytest.mark.parametrize("d_v, d_rope, kind, split, bulk", [
@@ -698,6 +716,7 @@ def test_bulk_copied_rows(d_v, d_rope, kind, split, bulk):
     assert ws_bulk(geo, split, ws_block(geo, split)) is bulk
 
 
+@LOWERING
 @pytest.mark.parametrize("kind, parts", [("fp8", 2), ("packed", 2)])
 def test_staged_producer_parts_per_stage(kind, parts):
     # the staged producer (GLM prefill) widens a stage from `parts` raw copies of 64 rows: one wait for
@@ -723,7 +742,12 @@ def test_staged_producer_parts_per_stage(kind, parts):
     assert producer.count("fence_proxy_async") == 2
 
 
-def test_persistent_prefill_keys_and_source():
+# prefill kernels that are not persistent (their keys carry no CTA count)
+NOT_PERSISTENT = [("deepseek-512+64-h128", "packed"), ("glm-256+0-h64", "fp8"), ("glm-256+0-h64", "bf16"),
+                  ("512+0-h16", "packed")]
+
+
+def test_persistent_prefill_keys():
     # the GLM packed prefill (bulk-copied staged rows) is persistent: its key carries the CTA count (the current
     # GPU's SM count, or DEFAULT_CTAS without one) and each CTA walks items bx, bx + CTAs, ...; no other kernel is
     from csrc_tl.sparse_attn import DEFAULT_CTAS, AttnGeometry, ws_persistent
@@ -732,12 +756,19 @@ def test_persistent_prefill_keys_and_source():
     assert key.family == "attn_prefill_ws" and key.flags == (DEFAULT_CTAS,)
     shard = _cuda.attn_keys("packed", 256, 0, 8, 256**-0.5, True, target="cuda", sm_count=78)
     assert shard[0].flags == (78,) and shard[1].flags == () and "; 78]" in shard[0].name
+    for name, kind in NOT_PERSISTENT:
+        assert attn_keys(name, kind)[0].flags == (), name
+    assert not ws_persistent(AttnGeometry(256, 0, 64, "packed", False, 0.1), split=True)
+    # the default run's prefill (the one test_attention_sources lowers) has no loop over items
+    assert "dsa_bar_sync(13" not in source(attn_keys(*NOT_PERSISTENT[0])[0], "cuda")
+
+
+@LOWERING
+def test_persistent_prefill_source():
+    shard = _cuda.attn_keys("packed", 256, 0, 8, 256**-0.5, True, target="cuda", sm_count=78)
     body = kernel_body(source(shard[0], "cuda"))
     # the item stride is the CTA count; the consumers meet between items; indices load at computed offsets
     assert re.search(r"\* 78\) \+ \(\(int\)blockIdx\.x\)", body)
     assert body.count("dsa_bar_sync(13, 256)") == 2 and "dsa_ld_index(" in body
-    for name, kind in [("deepseek-512+64-h128", "packed"), ("glm-256+0-h64", "fp8"), ("glm-256+0-h64", "bf16"),
-                       ("512+0-h16", "packed")]:
-        other = attn_keys(name, kind)[0]
-        assert other.flags == () and "dsa_bar_sync(13" not in source(other, "cuda"), name
-    assert not ws_persistent(AttnGeometry(256, 0, 64, "packed", False, 0.1), split=True)
+    for name, kind in NOT_PERSISTENT:
+        assert "dsa_bar_sync(13" not in source(attn_keys(name, kind)[0], "cuda"), name
