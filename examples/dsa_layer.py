@@ -511,7 +511,7 @@ def dequantized_latent_rows(kv_c: torch.Tensor, k_pe: torch.Tensor | None, round
     return rows.float()
 
 
-def dense_reference(layer: DSALayer, proj: Projection, queries: torch.Tensor
+def dense_reference(layer: DSALayer, proj: Projection, queries: torch.Tensor, attend_to: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The layer for queries of one request, computed densely in plain torch.
 
@@ -523,6 +523,9 @@ def dense_reference(layer: DSALayer, proj: Projection, queries: torch.Tensor
         The projections of the request's tokens 0 .. n-1, in position order.
     queries : [q] int64
         Positions of the query tokens; query i sees positions ``0 .. queries[i]``.
+    attend_to : [q, K] int64 or None
+        Positions to attend to instead of the twin's own selection (ascending, then -1): the output of a layer whose
+        selection swapped two neighbours at the k-th place is then checked on the rows it did select.
 
     Returns
     -------
@@ -532,7 +535,7 @@ def dense_reference(layer: DSALayer, proj: Projection, queries: torch.Tensor
     logits : [q, n] float32
         The indexer's logits from the same FP8 values of q and k, ``-inf`` past each query.
     y : [q, hidden] bfloat16
-        Softmax over the selected rows of the dequantized latent cache, then W_UV and the output projection.
+        Softmax over the selected rows (or ``attend_to``'s) of the dequantized latent cache, then W_UV and the output projection.
     """
     c = layer.config
     n = proj.kv_c.shape[0]
@@ -558,6 +561,11 @@ def dense_reference(layer: DSALayer, proj: Projection, queries: torch.Tensor
         padded[:, :take] = torch.where(chosen, picked, -1)
         selected = torch.zeros(qs.shape[0], n + 1, dtype=torch.bool, device=rows.device)  # column n: not chosen
         selected = selected.scatter_(1, torch.where(chosen, best, n), True)[:, :n]  # [q, n]
+        if attend_to is not None:
+            given = attend_to[q0 : q0 + chunk].long()  # [q, K]
+            given = torch.where((given >= 0) & (given < n), given, n)
+            selected = torch.zeros(qs.shape[0], n + 1, dtype=torch.bool, device=rows.device)
+            selected = selected.scatter_(1, given, True)[:, :n]  # [q, n]
 
         att = torch.einsum("qhc,nc->qhn", proj.q[qs].float(), rows) * c.sm_scale  # [q, H, n]
         att = att.masked_fill(~selected.unsqueeze(1), -math.inf).softmax(dim=-1)  # [q, H, n]

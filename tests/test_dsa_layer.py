@@ -43,8 +43,11 @@ DECODE_STEPS = 8
 BAND = {"cpu": 0.0, "cuda": 1e-2}
 MAX_SWAPS = {"cpu": 0, "cuda": 8}
 # Outputs: both sides round the latent output to bfloat16 and share the output projection; the GPU attention rounds
-# its probabilities to bfloat16 as well. Bounds relative to the twin's largest |y| (max) and its norm (rms).
-OUT_TOL = {"cpu": dict(max=2**-7, rms=2**-9), "cuda": dict(max=2**-5, rms=2**-7)}
+# its probabilities to bfloat16 as well, and the compiled decode step projects q with other bfloat16 roundings than
+# the twin's eager projections (measured on an H200: 0.5% rms in prefill, up to 1.0% in decode at 8 and 16 heads,
+# where fewer heads average the output projection's error). Bounds relative to the twin's largest |y| (max) and its
+# norm (rms).
+OUT_TOL = {"cpu": dict(max=2**-7, rms=2**-9), "cuda": dict(max=2**-5, rms=2**-6)}
 
 
 def tiny(config, **changes):
@@ -113,8 +116,10 @@ def check_output(got, want, device_type):
 def check_request(layer, cache, request, proj, queries, y, slots):
     """One request's outputs ``y [q, hidden]`` and selected ``slots [q, K]`` against the dense twin."""
     device_type = y.device.type
-    want_positions, logits, want_y = L.dense_reference(layer, proj, queries.long())
     got = positions_of(slots, cache.page_table[request], cache.page, cache.kv.shape[0] * cache.page)
+    # the twin attends to the rows the layer selected: a swap the selection check allows would otherwise move y by
+    # the weight of the swapped rows
+    want_positions, logits, want_y = L.dense_reference(layer, proj, queries.long(), attend_to=got)
     check_selection(got, want_positions, logits, device_type)
     check_output(y, want_y, device_type)
 
@@ -184,7 +189,12 @@ def test_bench_stages_are_the_layer():
 @pytest.mark.cuda
 @pytest.mark.parametrize("config", GPU_CONFIGS, ids=lambda c: c.name)
 def test_layer_against_dense_twin_on_gpu(config):
-    step = run_flow(config, "cuda", SEQ_LENS_GPU, backend="inductor")
+    # the twin projects eagerly; inductor keeps fused intermediates in float32 unless told to round them to
+    # bfloat16 as eager does, and one flipped rounding before the FP8 quantization of q moves its index logits
+    from torch._inductor import config as inductor_config
+
+    with inductor_config.patch(emulate_precision_casts=True):
+        step = run_flow(config, "cuda", SEQ_LENS_GPU, backend="inductor")
     assert step.graph is not None, "the decode steps must have replayed a CUDA graph"
 
 

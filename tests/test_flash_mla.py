@@ -27,7 +27,10 @@ PREFILL_SCALE = 0.5  # FlashMLA's prefill tests' scale
 REF_CHUNK_BYTES = 1 << 28  # float64 scratch of one reference chunk
 # tolerances: out is one bf16 rounding of a float32 result on the CPU; the GPU kernels round P to bf16 as well
 # (FlashMLA's own bounds); lse and max_logits are float32 sums and maxima of a few thousand terms
-OUT_TOL = {"cpu": dict(atol=1e-5, rtol=2**-8), "cuda": dict(atol=8e-4, rtol=3.01 / 128)}
+# The GPU kernels round the probabilities to bfloat16 before their product with V (as FlashMLA's do): an output that
+# cancels to near zero keeps the rounding of the terms it sums, so its absolute bound scales with the largest |out|
+# of the case (the float64 reference's), not with the element itself.
+OUT_TOL = {"cpu": dict(atol=1e-5, rtol=2**-8), "cuda": dict(atol=2**-8, rtol=3.01 / 128, atol_of_max=True)}
 LOGIT_TOL = dict(atol=1e-5, rtol=3e-5)
 POOL_DTYPES = (torch.float8_e4m3fn, torch.int8, torch.uint8)
 PAGES = (2, 53, 61, 64, 69, 576)  # FlashMLA's decode page sizes (and 53/61 its corner cases')
@@ -89,13 +92,16 @@ def dequant_rows(packed: torch.Tensor, lay: KCacheLayout) -> torch.Tensor:
     return torch.cat([nope, rope], dim=1).double()
 
 
-def assert_close(name, got, want, atol, rtol):
-    """No NaN; +inf and -inf exactly where the reference has them; then tolerances on the finite rest."""
+def assert_close(name, got, want, atol, rtol, atol_of_max=False):
+    """No NaN; +inf and -inf exactly where the reference has them; then tolerances on the finite rest (``atol``
+    times the largest finite |want| with ``atol_of_max``)."""
     want = want.to(got.device)
     assert not got.isnan().any(), f"{name}: NaN"
     assert torch.equal(got.isposinf(), want.isposinf()), f"{name}: +inf positions differ"
     assert torch.equal(got.isneginf(), want.isneginf()), f"{name}: -inf positions differ"
     finite = want.isfinite()
+    if atol_of_max and finite.any():
+        atol = atol * want[finite].abs().max().item()
     torch.testing.assert_close(got[finite].double(), want[finite], atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
 
 
