@@ -535,7 +535,8 @@ def dense_reference(layer: DSALayer, proj: Projection, queries: torch.Tensor, at
     logits : [q, n] float32
         The indexer's logits from the same FP8 values of q and k, ``-inf`` past each query.
     y : [q, hidden] bfloat16
-        Softmax over the selected rows (or ``attend_to``'s) of the dequantized latent cache, then W_UV and the output projection.
+        Softmax over the selected rows (or ``attend_to``'s) of the dequantized latent cache, then W_UV and the
+        output projection.
     """
     c = layer.config
     n = proj.kv_c.shape[0]

@@ -274,7 +274,10 @@ def test_rows_kernel_is_exact(gen, key, out_width):
 @pytest.mark.parametrize("chunks", [1, 7])
 def test_split_kernels_are_exact(gen, key, out_width, chunks):
     fields = {f: getattr(key, f) for f in ("k", "page_size", "has_starts", "has_row_request")}
-    hist, select = (compiled(topk.TopkSplitKey(**fields, stage=stage)) for stage in ("hist", "select"))
+    from sparse_dsa_ops._cuda.selection import SPLIT_THREADS  # the op's split kernels
+
+    hist, select = (compiled(topk.TopkSplitKey(**fields, stage=stage, threads=SPLIT_THREADS))
+                    for stage in ("hist", "select"))
     logits, lengths, optional, expect = inputs(key, out_width, gen)
     rows = logits.shape[0]
     starts = optional[:1] if key.has_starts else []
