@@ -97,7 +97,8 @@ def _lanes(dim: int) -> int:
 
 def _check_dim(dim: int) -> None:
     assert isinstance(dim, int) and dim > 0 and dim % DIM_MULTIPLE == 0, (
-        f"head dim must be a positive multiple of {DIM_MULTIPLE} (16-byte chunks, whole GEMM K steps), got {dim}")
+        f"head dim must be a positive multiple of {DIM_MULTIPLE} (16-byte chunks, whole GEMM K steps), got {dim}"
+    )
 
 
 def _check_page(page: int) -> None:
@@ -256,8 +257,9 @@ def build_quant_index(key: QuantIndexKey):
                     for p in T.unroll(passes):
                         col = (p * lanes + sub) * VEC
                         for v in T.vectorized(VEC):
-                            qv[v] = T.cast(T.clamp(xs[s * per_lane + p * VEC + v] / sc[0], -FP8_MAX, FP8_MAX),
-                                           T.float8_e4m3fn)
+                            qv[v] = T.cast(
+                                T.clamp(xs[s * per_lane + p * VEC + v] / sc[0], -FP8_MAX, FP8_MAX), T.float8_e4m3fn
+                            )
                         if scatter:
                             pg = slot // page
                             off = slot % page
@@ -315,8 +317,12 @@ def build_gather_index_k(key: GatherIndexKey):
     p_count = T.dynamic("p")
 
     @T.prim_func
-    def gather_index_k(cache: T.Tensor((p_count, row_bytes), T.uint8), indices: T.Tensor((m,), slot_dtype),
-                       values: T.Tensor((m, dim), T.float8_e4m3fn), scale: T.Tensor((m,), T.float32)):
+    def gather_index_k(
+        cache: T.Tensor((p_count, row_bytes), T.uint8),
+        indices: T.Tensor((m,), slot_dtype),
+        values: T.Tensor((m, dim), T.float8_e4m3fn),
+        scale: T.Tensor((m,), T.float32),
+    ):
         with T.Kernel(T.ceildiv(m, GATHER_ROWS), threads=THREADS) as bx:
             vals = T.view(cache, (p_count, row_bytes), T.float8_e4m3fn)
             scales = T.view(cache, (p_count, row_bytes // SCALE_BYTES), T.float32)
@@ -391,8 +397,10 @@ class PagedLogitsKey:
 
     @property
     def name(self) -> str:
-        return (f"paged_index_logits_d{self.dim}_h{self.heads}_p{self.page}_q{Q_DTYPES.get(self.q_dtype, self.q_dtype)}"
-                f"{'_ws' if self.ws else ''}_s{self.pages_per_cta}")
+        return (
+            f"paged_index_logits_d{self.dim}_h{self.heads}_p{self.page}_q{Q_DTYPES.get(self.q_dtype, self.q_dtype)}"
+            f"{'_ws' if self.ws else ''}_s{self.pages_per_cta}"
+        )
 
     def __str__(self) -> str:
         return self.name
@@ -432,8 +440,9 @@ def index_logits_key(dim: int, heads: int, q_dtype: str, target: str) -> IndexLo
 
 def paged_logits_key(dim: int, heads: int, page: int, q_dtype: str, target: str) -> PagedLogitsKey:
     """The decode kernel for ``target`` ("cuda" = sm_90, or "hip"): warp-specialized where supported."""
-    return PagedLogitsKey(dim, heads, page, q_dtype, ws=target == "cuda" and paged_ws_supported(dim, heads, page,
-                                                                                                q_dtype))
+    return PagedLogitsKey(
+        dim, heads, page, q_dtype, ws=target == "cuda" and paged_ws_supported(dim, heads, page, q_dtype)
+    )
 
 
 def _check_logits_key(dim: int, heads: int, q_dtype: str) -> None:
@@ -488,8 +497,9 @@ def _store_block(logits, lg, sc, tok_lo, tok_hi, rng, t0, j0, c1, t_count, bt: i
     else:
         for j, i in T.Parallel(BN, bt):
             if t0 + i < t_count and j0 + j < c1:
-                logits[t0 + i, j0 + j] = T.if_then_else((j0 + j >= tok_lo[i]) & (j0 + j < tok_hi[i]),
-                                                        lg[j, i] * sc[j], -T.infinity(T.float32))
+                logits[t0 + i, j0 + j] = T.if_then_else(
+                    (j0 + j >= tok_lo[i]) & (j0 + j < tok_hi[i]), lg[j, i] * sc[j], -T.infinity(T.float32)
+                )
 
 
 @T.macro
@@ -550,11 +560,33 @@ def _build_logits_ws(key: IndexLogitsKey):
     t_count, n_count = T.dynamic("t"), T.dynamic("n")
 
     @T.macro
-    def consume(g, k_s, sc_s, full, empty, turn, q_ready, q_s, acc, lg, w, sc, weights, logits, tok_lo, tok_hi,
-                rng, t0, c1, b0, nb):
+    def consume(
+        g,
+        k_s,
+        sc_s,
+        full,
+        empty,
+        turn,
+        q_ready,
+        q_s,
+        acc,
+        lg,
+        w,
+        sc,
+        weights,
+        logits,
+        tok_lo,
+        tok_hi,
+        rng,
+        t0,
+        c1,
+        b0,
+        nb,
+    ):
         for i, h in T.Parallel(bt, hp):
-            w[i, h] = T.if_then_else((h < heads) & (t0 + i < t_count),
-                                     weights[T.min(t0 + i, t_count - 1), T.min(h, heads - 1)], 0.0)
+            w[i, h] = T.if_then_else(
+                (h < heads) & (t0 + i < t_count), weights[T.min(t0 + i, t_count - 1), T.min(h, heads - 1)], 0.0
+            )
         T.barrier_wait(q_ready, 0)
         for it in T.serial((nb - g + 1) // 2):
             s = it % stages
@@ -573,10 +605,15 @@ def _build_logits_ws(key: IndexLogitsKey):
             _store_block(logits, lg, sc, tok_lo, tok_hi, rng, t0, (b0 + 2 * it + g) * BN, c1, t_count, bt)
 
     @T.prim_func
-    def index_logits(q: T.Tensor((t_count, heads, dim), T.float8_e4m3fn), k: T.Tensor((n_count, dim), T.float8_e4m3fn),
-                     k_scale: T.Tensor((n_count,), T.float32), weights: T.Tensor((t_count, heads), T.float32),
-                     ks: T.Tensor((t_count,), T.int32), ke: T.Tensor((t_count,), T.int32),
-                     logits: T.Tensor((t_count, n_count), T.float32)):
+    def index_logits(
+        q: T.Tensor((t_count, heads, dim), T.float8_e4m3fn),
+        k: T.Tensor((n_count, dim), T.float8_e4m3fn),
+        k_scale: T.Tensor((n_count,), T.float32),
+        weights: T.Tensor((t_count, heads), T.float32),
+        ks: T.Tensor((t_count,), T.int32),
+        ke: T.Tensor((t_count,), T.int32),
+        logits: T.Tensor((t_count, n_count), T.float32),
+    ):
         with T.Kernel(T.ceildiv(t_count, bt), T.ceildiv(n_count, chunk), threads=384) as (bx, by):
             q_s = T.alloc_shared((QN, dim), T.float8_e4m3fn)
             k_s0 = T.alloc_shared((stages, BN, dim), T.float8_e4m3fn)
@@ -616,8 +653,10 @@ def _build_logits_ws(key: IndexLogitsKey):
                     ok = (r % hp < heads) & (t0 + r // hp < t_count)
                     for v in T.vectorized(16):
                         q_s[r, col + v] = T.if_then_else(
-                            ok, q[T.min(t0 + r // hp, t_count - 1), T.min(r % hp, heads - 1), col + v],
-                            T.cast(0, T.float8_e4m3fn))
+                            ok,
+                            q[T.min(t0 + r // hp, t_count - 1), T.min(r % hp, heads - 1), col + v],
+                            T.cast(0, T.float8_e4m3fn),
+                        )
                 T.fence_proxy_async()  # generic stores, read by wgmma through the async proxy
                 T.barrier_arrive(q_ready)
                 if ptx < 32:
@@ -627,24 +666,66 @@ def _build_logits_ws(key: IndexLogitsKey):
                         j0 = (b0 + i) * BN
                         if i % 2 == 0:
                             T.barrier_wait(empty0[s], ((it // stages) & 1) ^ 1)
-                            T.tma_copy(k[j0:j0 + BN, :], k_s0[s, :, :], barrier=full0[s])
-                            T.tma_copy(k_scale[j0:j0 + BN], sc_s0[s, :], barrier=full0[s])
+                            T.tma_copy(k[j0 : j0 + BN, :], k_s0[s, :, :], barrier=full0[s])
+                            T.tma_copy(k_scale[j0 : j0 + BN], sc_s0[s, :], barrier=full0[s])
                             T.barrier_arrive(full0[s])
                         else:
                             T.barrier_wait(empty1[s], ((it // stages) & 1) ^ 1)
-                            T.tma_copy(k[j0:j0 + BN, :], k_s1[s, :, :], barrier=full1[s])
-                            T.tma_copy(k_scale[j0:j0 + BN], sc_s1[s, :], barrier=full1[s])
+                            T.tma_copy(k[j0 : j0 + BN, :], k_s1[s, :, :], barrier=full1[s])
+                            T.tma_copy(k_scale[j0 : j0 + BN], sc_s1[s, :], barrier=full1[s])
                             T.barrier_arrive(full1[s])
                 else:
                     _fill_outside(logits, t0, c0, c1, b0, nb, t_count, ptx - 32, fill_lanes, bt)
             elif tx < 128:
                 T.set_max_nreg(WS_NREG[0], 1)
-                consume(0, k_s0, sc_s0, full0, empty0, turn, q_ready, q_s, acc0, lg0, w0, sc0, weights, logits,
-                        tok_lo, tok_hi, rng, t0, c1, b0, nb)
+                consume(
+                    0,
+                    k_s0,
+                    sc_s0,
+                    full0,
+                    empty0,
+                    turn,
+                    q_ready,
+                    q_s,
+                    acc0,
+                    lg0,
+                    w0,
+                    sc0,
+                    weights,
+                    logits,
+                    tok_lo,
+                    tok_hi,
+                    rng,
+                    t0,
+                    c1,
+                    b0,
+                    nb,
+                )
             else:
                 T.set_max_nreg(WS_NREG[0], 1)
-                consume(1, k_s1, sc_s1, full1, empty1, turn, q_ready, q_s, acc1, lg1, w1, sc1, weights, logits,
-                        tok_lo, tok_hi, rng, t0, c1, b0, nb)
+                consume(
+                    1,
+                    k_s1,
+                    sc_s1,
+                    full1,
+                    empty1,
+                    turn,
+                    q_ready,
+                    q_s,
+                    acc1,
+                    lg1,
+                    w1,
+                    sc1,
+                    weights,
+                    logits,
+                    tok_lo,
+                    tok_hi,
+                    rng,
+                    t0,
+                    c1,
+                    b0,
+                    nb,
+                )
 
     return index_logits
 
@@ -660,10 +741,15 @@ def _build_logits_portable(key: IndexLogitsKey):
     t_count, n_count = T.dynamic("t"), T.dynamic("n")
 
     @T.prim_func
-    def index_logits(q: T.Tensor((t_count, heads, dim), dtype), k: T.Tensor((n_count, dim), T.float8_e4m3fn),
-                     k_scale: T.Tensor((n_count,), T.float32), weights: T.Tensor((t_count, heads), T.float32),
-                     ks: T.Tensor((t_count,), T.int32), ke: T.Tensor((t_count,), T.int32),
-                     logits: T.Tensor((t_count, n_count), T.float32)):
+    def index_logits(
+        q: T.Tensor((t_count, heads, dim), dtype),
+        k: T.Tensor((n_count, dim), T.float8_e4m3fn),
+        k_scale: T.Tensor((n_count,), T.float32),
+        weights: T.Tensor((t_count, heads), T.float32),
+        ks: T.Tensor((t_count,), T.int32),
+        ke: T.Tensor((t_count,), T.int32),
+        logits: T.Tensor((t_count, n_count), T.float32),
+    ):
         with T.Kernel(T.ceildiv(t_count, bt), T.ceildiv(n_count, chunk), threads=threads) as (bx, by):
             q_s = T.alloc_shared((QN, dim), dtype)
             k_s = T.alloc_shared((BN, dim), dtype)
@@ -683,15 +769,18 @@ def _build_logits_portable(key: IndexLogitsKey):
             tx = T.get_thread_binding()
             _fill_outside(logits, t0, c0, c1, b0, nb, t_count, tx, threads, bt)
             for r, d in T.Parallel(QN, dim):
-                q_s[r, d] = T.if_then_else((r % hp < heads) & (t0 + r // hp < t_count),
-                                           q[T.min(t0 + r // hp, t_count - 1), T.min(r % hp, heads - 1), d],
-                                           T.cast(0, dtype))
+                q_s[r, d] = T.if_then_else(
+                    (r % hp < heads) & (t0 + r // hp < t_count),
+                    q[T.min(t0 + r // hp, t_count - 1), T.min(r % hp, heads - 1), d],
+                    T.cast(0, dtype),
+                )
             for i, h in T.Parallel(bt, hp):
-                w[i, h] = T.if_then_else((h < heads) & (t0 + i < t_count),
-                                         weights[T.min(t0 + i, t_count - 1), T.min(h, heads - 1)], 0.0)
+                w[i, h] = T.if_then_else(
+                    (h < heads) & (t0 + i < t_count), weights[T.min(t0 + i, t_count - 1), T.min(h, heads - 1)], 0.0
+                )
             for blk in T.serial(nb):
                 j0 = (b0 + blk) * BN
-                T.copy(k[j0:j0 + BN, :], k_s)
+                T.copy(k[j0 : j0 + BN, :], k_s)
                 for j in T.Parallel(BN):
                     sc[j] = T.if_then_else(j0 + j < n_count, k_scale[T.min(j0 + j, n_count - 1)], 0.0)
                 T.gemm(k_s, q_s, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
@@ -709,7 +798,8 @@ def _paged_geometry(key: PagedLogitsKey) -> tuple[int, int, int, int]:
     _check_page(key.page)
     split = key.pages_per_cta
     assert split > 0 and split * key.page % BN == 0, (
-        f"a CTA's {split} pages of {key.page} tokens must be whole 64-row tiles")
+        f"a CTA's {split} pages of {key.page} tokens must be whole 64-row tiles"
+    )
     # the GEMM's N: wgmma takes multiples of 8, the portable kernels' MMA tiles (HIP's MFMA) 16
     hp = max(8 if key.ws else 16, _pow2_at_least(key.heads))
     ppt = BN // key.page if key.page < BN else 1
@@ -768,11 +858,14 @@ def _build_paged_ws(key: PagedLogitsKey):
     w_len = max_pages * page
 
     @T.prim_func
-    def paged_index_logits(q: T.Tensor((r_count, heads, dim), T.float8_e4m3fn),
-                           cache: T.Tensor((p_count, row_bytes), T.uint8),
-                           weights: T.Tensor((r_count, heads), T.float32), lengths: T.Tensor((r_count,), T.int32),
-                           page_table: T.Tensor((b_count, max_pages), T.int32),
-                           logits: T.Tensor((r_count, w_len), T.float32)):
+    def paged_index_logits(
+        q: T.Tensor((r_count, heads, dim), T.float8_e4m3fn),
+        cache: T.Tensor((p_count, row_bytes), T.uint8),
+        weights: T.Tensor((r_count, heads), T.float32),
+        lengths: T.Tensor((r_count,), T.int32),
+        page_table: T.Tensor((b_count, max_pages), T.int32),
+        logits: T.Tensor((r_count, w_len), T.float32),
+    ):
         with T.Kernel(r_count, T.ceildiv(max_pages, key.pages_per_cta), threads=160) as (bx, by):
             # the FP8 values of each page as [page, D] rows, pages row_bytes apart (the scales lie between them)
             vals = T.StridedTensor((p_count, page, dim), (row_bytes, dim, 1), T.float8_e4m3fn, data=cache.data)
@@ -800,7 +893,8 @@ def _build_paged_ws(key: PagedLogitsKey):
                     if c * 32 + tx - 128 < split:
                         pg = by * split + c * 32 + tx - 128
                         ent_s[c * 32 + tx - 128] = T.if_then_else(
-                            pg < max_pages, page_table[row[0], T.min(pg, max_pages - 1)], -1)
+                            pg < max_pages, page_table[row[0], T.min(pg, max_pages - 1)], -1
+                        )
                 for ti in T.serial(row[3]):
                     s = ti % stages
                     T.barrier_wait(empty[s], ((ti // stages) & 1) ^ 1)
@@ -810,10 +904,16 @@ def _build_paged_ws(key: PagedLogitsKey):
                         ok = (pos < row[1]) & (ent[0] >= 0) & (ent[0] < p_count)
                         if ok:
                             off = pos % page
-                            T.tma_copy(vals[ent[0], off:off + sub_rows, :], k_s[s, k * sub_rows:(k + 1) * sub_rows, :],
-                                       barrier=full[s])
-                            T.tma_copy(scales[ent[0], scale_word + off:scale_word + off + sub_rows],
-                                       sc_s[s, k * sub_rows:(k + 1) * sub_rows], barrier=full[s])
+                            T.tma_copy(
+                                vals[ent[0], off : off + sub_rows, :],
+                                k_s[s, k * sub_rows : (k + 1) * sub_rows, :],
+                                barrier=full[s],
+                            )
+                            T.tma_copy(
+                                scales[ent[0], scale_word + off : scale_word + off + sub_rows],
+                                sc_s[s, k * sub_rows : (k + 1) * sub_rows],
+                                barrier=full[s],
+                            )
                         if tx == 128:
                             ok_s[s, k] = T.if_then_else(ok, 1, 0)
                     T.barrier_arrive(full[s])
@@ -824,8 +924,9 @@ def _build_paged_ws(key: PagedLogitsKey):
                         h = i // (dim // 16)
                         col = i % (dim // 16) * 16
                         for v in T.vectorized(16):
-                            q_s[h, col + v] = T.if_then_else(h < heads, q[bx, T.min(h, heads - 1), col + v],
-                                                             T.cast(0, T.float8_e4m3fn))
+                            q_s[h, col + v] = T.if_then_else(
+                                h < heads, q[bx, T.min(h, heads - 1), col + v], T.cast(0, T.float8_e4m3fn)
+                            )
                 for i, h in T.Parallel(1, hp):
                     w[i, h] = T.if_then_else(h < heads, weights[bx, T.min(h, heads - 1)], 0.0)
                 T.fence_proxy_async()  # generic stores, read by wgmma through the async proxy
@@ -839,14 +940,16 @@ def _build_paged_ws(key: PagedLogitsKey):
                         T.wgmma_gemm(k_s[s, :, :], q_s, acc, transpose_B=True, clear_accum=True)
                         T.wait_wgmma(0)
                         for j in T.Parallel(BN):
-                            sc[j] = T.if_then_else((ok_s[s, j // sub_rows] != 0) & (pos0 + j < row[1]), sc_s[s, j],
-                                                   -T.infinity(T.float32))
+                            sc[j] = T.if_then_else(
+                                (ok_s[s, j // sub_rows] != 0) & (pos0 + j < row[1]), sc_s[s, j], -T.infinity(T.float32)
+                            )
                         T.barrier_arrive(empty[s])
                         _relu_weigh_reduce(acc, w, lg, 1, hp)
                         for j, i in T.Parallel(BN, 1):
                             if pos0 + j < w_len:
-                                logits[bx, pos0 + j] = T.if_then_else(sc[j] == -T.infinity(T.float32), sc[j],
-                                                                      lg[j, i] * sc[j])
+                                logits[bx, pos0 + j] = T.if_then_else(
+                                    sc[j] == -T.infinity(T.float32), sc[j], lg[j, i] * sc[j]
+                                )
                     else:
                         for j in T.Parallel(BN):
                             if pos0 + j < w_len:
@@ -869,10 +972,14 @@ def _build_paged_portable(key: PagedLogitsKey):
     w_len = max_pages * page
 
     @T.prim_func
-    def paged_index_logits(q: T.Tensor((r_count, heads, dim), dtype), cache: T.Tensor((p_count, row_bytes), T.uint8),
-                           weights: T.Tensor((r_count, heads), T.float32), lengths: T.Tensor((r_count,), T.int32),
-                           page_table: T.Tensor((b_count, max_pages), T.int32),
-                           logits: T.Tensor((r_count, w_len), T.float32)):
+    def paged_index_logits(
+        q: T.Tensor((r_count, heads, dim), dtype),
+        cache: T.Tensor((p_count, row_bytes), T.uint8),
+        weights: T.Tensor((r_count, heads), T.float32),
+        lengths: T.Tensor((r_count,), T.int32),
+        page_table: T.Tensor((b_count, max_pages), T.int32),
+        logits: T.Tensor((r_count, w_len), T.float32),
+    ):
         with T.Kernel(r_count, T.ceildiv(max_pages, key.pages_per_cta), threads=threads) as (bx, by):
             vals = T.view(cache, (p_count, row_bytes), T.float8_e4m3fn)
             scales = T.view(cache, (p_count, row_bytes // SCALE_BYTES), T.float32)
@@ -898,8 +1005,9 @@ def _build_paged_portable(key: PagedLogitsKey):
                         pg = (pos0 + tx) // page
                         ent[0] = page_table[row[0], T.min(pg, max_pages - 1)]
                         ok = (pos0 + tx < row[1]) & (pg < max_pages) & (ent[0] >= 0) & (ent[0] < p_count)
-                        slot_s[tx] = T.if_then_else(ok, T.cast(ent[0], T.int64) * page + (pos0 + tx) % page,
-                                                    T.int64(-1))
+                        slot_s[tx] = T.if_then_else(
+                            ok, T.cast(ent[0], T.int64) * page + (pos0 + tx) % page, T.int64(-1)
+                        )
                     for j, d in T.Parallel(BN, dim):
                         if slot_s[j] >= 0:
                             k_s[j, d] = T.cast(vals[slot_s[j] // page, slot_s[j] % page * dim + d], dtype)
@@ -914,8 +1022,9 @@ def _build_paged_portable(key: PagedLogitsKey):
                     _relu_weigh_reduce(acc, w, lg, 1, hp)
                     for j, i in T.Parallel(BN, 1):
                         if pos0 + j < w_len:
-                            logits[bx, pos0 + j] = T.if_then_else(sc[j] == -T.infinity(T.float32), sc[j],
-                                                                  lg[j, i] * sc[j])
+                            logits[bx, pos0 + j] = T.if_then_else(
+                                sc[j] == -T.infinity(T.float32), sc[j], lg[j, i] * sc[j]
+                            )
                 else:
                     for j in T.Parallel(BN):
                         if pos0 + j < w_len:

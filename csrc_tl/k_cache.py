@@ -11,15 +11,87 @@ Work split: a *group* of 32 threads handles whole rows, ROWS_PER_GROUP at a time
 it computes on any. Quantizing and dequantizing, a lane takes 8 values of a row at once where rows stay 8-byte
 aligned (else 4), so 16 (or 32) lanes share a 128-wide tile; quantizing, they reduce the tile's amax with a
 butterfly among themselves. Shuffles stay within 32 lanes (portable to 64-wide AMD wavefronts). Each builder
-is a pure function of the layout (a frozen ``KCacheLayout``) and a few flags.
+is a pure function of the layout (a frozen ``KCacheLayout``) and a few flags; :class:`CacheKey` names one kernel
+and :func:`build` makes it.
 """
+
+from dataclasses import dataclass
 
 import tilelang.language as T
 
 from .layout import FP8_MAX, QUANT_TILE, KCacheLayout
 
-__all__ = ["build_quant", "build_dequant", "build_gather_bytes", "quant_vector", "THREADS", "ROWS_PER_BLOCK",
-           "ROWS_PER_GROUP"]
+__all__ = [
+    "CacheKey",
+    "build",
+    "pass_configs",
+    "KINDS",
+    "QUANT_KERNELS",
+    "SLOT_KERNELS",
+    "build_quant",
+    "build_dequant",
+    "build_gather_bytes",
+    "quant_vector",
+    "THREADS",
+    "ROWS_PER_BLOCK",
+    "ROWS_PER_GROUP",
+]
+
+KINDS = ("quant", "store", "dequant", "gather", "gather_dequant")
+QUANT_KERNELS = ("quant", "store")  # the kernels that take round_scale
+SLOT_KERNELS = ("store", "gather", "gather_dequant")  # the kernels that take slot ids
+SLOT_DTYPES = ("int32", "int64")
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    """A K-cache kernel: ``kind`` (one of :data:`KINDS`: quantize, quantize and store at slots, dequantize, gather
+    packed rows, gather and dequantize) over rows of ``layout``; ``round_scale`` (power-of-two scales) for the
+    quantizing kernels, ``slot_dtype`` the dtype of the slot ids of the kernels that take them ("" for the others).
+    """
+
+    kind: str
+    layout: KCacheLayout
+    round_scale: bool = False
+    slot_dtype: str = ""
+
+    def __post_init__(self):
+        assert self.kind in KINDS, f"kind is one of {KINDS}, got {self.kind!r}"
+        assert not self.round_scale or self.kind in QUANT_KERNELS, f"{self.kind}: round_scale is the quantizers'"
+        if self.kind in SLOT_KERNELS:
+            assert self.slot_dtype in SLOT_DTYPES, f"{self.kind}: slot_dtype is one of {SLOT_DTYPES}"
+        else:
+            assert not self.slot_dtype, f"{self.kind} takes no slot ids"
+
+    @property
+    def family(self) -> str:
+        return self.kind
+
+    @property
+    def name(self) -> str:
+        lay = self.layout
+        pow2 = "_pow2" if self.round_scale else ""
+        slots = f"_{self.slot_dtype}" if self.slot_dtype else ""
+        return f"{self.kind}_k_cache_{lay.d_nope}p{lay.d_rope}{pow2}{slots}"
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def build(key: CacheKey):
+    """The TileLang program of ``key``."""
+    slots = {"slot_dtype": key.slot_dtype} if key.slot_dtype else {}
+    if key.kind in QUANT_KERNELS:
+        return build_quant(key.layout, round_scale=key.round_scale, scatter=key.kind == "store", **slots)
+    if key.kind == "gather":
+        return build_gather_bytes(key.layout, **slots)
+    return build_dequant(key.layout, gather=key.kind == "gather_dequant", **slots)
+
+
+def pass_configs(key: CacheKey) -> dict:
+    """TileLang pass configs of ``key``'s kernel (none but the defaults)."""
+    return {}
+
 
 THREADS = 128
 GROUP = 32  # threads of a group
@@ -66,8 +138,14 @@ def _row_split(layout: KCacheLayout) -> tuple[int, int, int, int, bool, int]:
     vec = quant_vector(layout)
     lanes = QUANT_TILE // vec
     per_pass = GROUP // lanes
-    return (vec, lanes, per_pass, -(-layout.num_scales // per_pass), layout.num_scales % per_pass == 0,
-            -(-layout.d_rope // (2 * GROUP)))
+    return (
+        vec,
+        lanes,
+        per_pass,
+        -(-layout.num_scales // per_pass),
+        layout.num_scales % per_pass == 0,
+        -(-layout.d_rope // (2 * GROUP)),
+    )
 
 
 def _group_row(bx, tx, r):
@@ -126,8 +204,9 @@ def build_quant(layout: KCacheLayout, *, round_scale: bool, scatter: bool, slot_
                     tile = p * per_pass + lane // lanes
                     if whole or tile < n_tiles:
                         for v in T.vectorized(vec):
-                            x[(r * passes + p) * vec + v] = T.cast(k_nope[src, tile * QUANT_TILE + sub * vec + v],
-                                                                   T.float32)
+                            x[(r * passes + p) * vec + v] = T.cast(
+                                k_nope[src, tile * QUANT_TILE + sub * vec + v], T.float32
+                            )
                 if d_rope:
                     for c in T.unroll(rope_steps):
                         col = (c * GROUP + lane) * 2
@@ -146,7 +225,8 @@ def build_quant(layout: KCacheLayout, *, round_scale: bool, scatter: bool, slot_
                         scale[0] = 1.0
                     if round_scale:
                         scale[0] = T.reinterpret(
-                            (T.reinterpret(scale[0], T.int32) + POW2_ROUND_UP) & EXPONENT_MASK, T.float32)
+                            (T.reinterpret(scale[0], T.int32) + POW2_ROUND_UP) & EXPONENT_MASK, T.float32
+                        )
                     if slot >= 0 and slot < s and (whole or tile < n_tiles):
                         for v in T.vectorized(vec):
                             q[v] = T.cast(T.clamp(x[b + v] / scale[0], -FP8_MAX, FP8_MAX), T.float8_e4m3fn)
@@ -256,9 +336,11 @@ def build_dequant(layout: KCacheLayout, *, gather: bool, slot_dtype: str = "int3
                         if whole or tile < n_tiles:
                             b = (r * passes + p) * vec
                             for v in T.vectorized(vec):
-                                y[v] = T.if_then_else(ok[r] == 1,
-                                                      T.cast(T.cast(q[b + v], T.float32) * sc[r * passes + p],
-                                                             T.bfloat16), T.cast(0.0, T.bfloat16))
+                                y[v] = T.if_then_else(
+                                    ok[r] == 1,
+                                    T.cast(T.cast(q[b + v], T.float32) * sc[r * passes + p], T.bfloat16),
+                                    T.cast(0.0, T.bfloat16),
+                                )
                             for v in T.vectorized(vec):
                                 out[row, tile * QUANT_TILE + sub * vec + v] = y[v]
                     if d_rope:
@@ -267,7 +349,8 @@ def build_dequant(layout: KCacheLayout, *, gather: bool, slot_dtype: str = "int3
                             if col < d_rope:
                                 for v in T.vectorized(2):
                                     out[row, d_nope + col + v] = T.if_then_else(
-                                        ok[r] == 1, rope[(r * rope_steps + c) * 2 + v], T.cast(0.0, T.bfloat16))
+                                        ok[r] == 1, rope[(r * rope_steps + c) * 2 + v], T.cast(0.0, T.bfloat16)
+                                    )
 
     pool_t = T.Tensor((s, row_bytes), T.uint8)
     out_t = T.Tensor((m, d_qk), T.bfloat16)
@@ -296,8 +379,11 @@ def build_gather_bytes(layout: KCacheLayout, *, slot_dtype: str = "int32"):
     m, s = T.dynamic("m"), T.dynamic("s")
 
     @T.prim_func
-    def gather_k_cache(pool: T.Tensor((s, layout.row_bytes), T.uint8), ids: T.Tensor((m,), slot_dtype),
-                       out: T.Tensor((m, layout.row_bytes), T.uint8)):
+    def gather_k_cache(
+        pool: T.Tensor((s, layout.row_bytes), T.uint8),
+        ids: T.Tensor((m,), slot_dtype),
+        out: T.Tensor((m, layout.row_bytes), T.uint8),
+    ):
         with T.Kernel(T.ceildiv(m, ROWS_PER_BLOCK), threads=THREADS) as bx:
             src = T.view(pool, (s, words), T.int32)
             dst = T.view(out, (m, words), T.int32)

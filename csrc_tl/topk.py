@@ -46,8 +46,19 @@ from dataclasses import dataclass
 
 import tilelang.language as T
 
-__all__ = ["TopkKey", "TopkSplitKey", "MAX_K", "FIRST_BINS", "COUNTERS", "ROW_STATE", "pass_configs",
-           "split_chunk", "order_key", "build_topk_rows", "build_topk_split"]
+__all__ = [
+    "TopkKey",
+    "TopkSplitKey",
+    "MAX_K",
+    "FIRST_BINS",
+    "COUNTERS",
+    "ROW_STATE",
+    "pass_configs",
+    "split_chunk",
+    "order_key",
+    "build_topk_rows",
+    "build_topk_split",
+]
 
 MAX_K = 4096  # the largest k of dsa.topk
 WARP = 32  # lanes of a shuffle group (also 32 on 64-wide AMD wavefronts: shuffles take a width)
@@ -279,8 +290,12 @@ class _Parts:
                 ranks[j] = cnt[parity, j * warps + warp] + acc[j] - vals[j]
             tile_total[0] = cnt[parity, entries]
 
-        self.warp_scan, self.block_scan, self.select_digit, self.tile_ranks = (warp_scan, block_scan, select_digit,
-                                                                              tile_ranks)
+        self.warp_scan, self.block_scan, self.select_digit, self.tile_ranks = (
+            warp_scan,
+            block_scan,
+            select_digit,
+            tile_ranks,
+        )
 
     def _passes(self):
         """The passes over a row (or its list) that count digits and gather the list."""
@@ -400,8 +415,9 @@ class _Parts:
                 return pos
             page_idx = pos // page
             ok = (request >= 0) & (request < n_req) & (page_idx < max_pages)
-            entry = T.if_then_else(ok, page_table[T.max(T.min(request, n_req - 1), 0), T.min(page_idx, max_pages - 1)],
-                                   -1)
+            entry = T.if_then_else(
+                ok, page_table[T.max(T.min(request, n_req - 1), 0), T.min(page_idx, max_pages - 1)], -1
+            )
             return T.Select(entry >= 0, T.cast(T.cast(entry, T.int64) * page + pos % page, T.int32), -1)
 
         @T.macro
@@ -422,8 +438,9 @@ class _Parts:
             for it in T.serial(T.ceildiv(T.Select(use_list != 0, count, hi - lo), tile)):
                 source_tile(use_list, logits, row, lo, hi, lkey, lcol, count, it, kv, col, vals)
                 for j in T.unroll(vec):
-                    vals[j] = T.Select(vals[j] == 1, T.Select(kv[j] > tau, 1, T.Select(
-                        kv[j] == tau, 1 << COUNT_BITS, 0)), 0)
+                    vals[j] = T.Select(
+                        vals[j] == 1, T.Select(kv[j] > tau, 1, T.Select(kv[j] == tau, 1 << COUNT_BITS, 0)), 0
+                    )
                 tile_ranks(vals, ranks, cnt, it % 2, tile_total)
                 for j in T.unroll(vec):
                     greater[0] = base[0] + (ranks[j] & COUNT_MASK)
@@ -444,8 +461,26 @@ class _Parts:
         hist_digit, compact = self.hist_digit, self.compact
 
         @T.macro
-        def finish(use_list, logits, row, lo, hi, lkey, lcol, count, top, above, hist, state, sums, cnt, out, orow,
-                   start, paging):
+        def finish(
+            use_list,
+            logits,
+            row,
+            lo,
+            hi,
+            lkey,
+            lcol,
+            count,
+            top,
+            above,
+            hist,
+            state,
+            sums,
+            cnt,
+            out,
+            orow,
+            start,
+            paging,
+        ):
             """Given the top digit ``top`` of the K-th largest key and the count ``above`` of keys of a larger top
             digit, find the last two digits over the source of :func:`source_tile` (the list where ``use_list`` is
             nonzero) and write the row's selection to ``out[orow, :k]``. Starts after a barrier, ends at one."""
@@ -498,8 +533,9 @@ class _Parts:
             tx = T.get_thread_binding()
             for i in T.serial(T.ceildiv(out_width, threads)):
                 if i * threads + tx < out_width:
-                    out[orow, i * threads + tx] = T.if_then_else(i * threads + tx < n,
-                                                                 slot_of(lo - start + i * threads + tx, *paging), -1)
+                    out[orow, i * threads + tx] = T.if_then_else(
+                        i * threads + tx < n, slot_of(lo - start + i * threads + tx, *paging), -1
+                    )
 
         @T.macro
         def pad(out, orow):
@@ -591,12 +627,41 @@ def build_topk_rows(key: TopkKey):
                     top[1] = state[ABOVE]
                     top[2] = state[ABOVE] + state[COUNT]
                     if top[2] <= cap:
-                        parts.collect(logits, row, lo, hi, T.cast(top[0], T.uint32) << FIRST_SHIFT, lkey, lcol, None,
-                                      cap, cnt, found)
+                        parts.collect(
+                            logits,
+                            row,
+                            lo,
+                            hi,
+                            T.cast(top[0], T.uint32) << FIRST_SHIFT,
+                            lkey,
+                            lcol,
+                            None,
+                            cap,
+                            cnt,
+                            found,
+                        )
                 T.sync_threads()  # state is read
                 use_list[0] = T.Select(top[2] <= cap, 1, 0)
-                parts.finish(use_list[0], logits, row, lo, hi, lkey, lcol, top[2], top[0],
-                             top[1], hist, state, sums, cnt, out, row, start, paging)
+                parts.finish(
+                    use_list[0],
+                    logits,
+                    row,
+                    lo,
+                    hi,
+                    lkey,
+                    lcol,
+                    top[2],
+                    top[0],
+                    top[1],
+                    hist,
+                    state,
+                    sums,
+                    cnt,
+                    out,
+                    row,
+                    start,
+                    paging,
+                )
                 parts.pad(out, row)
 
     logits_t = T.StridedTensor((rows, width), (ld, 1), T.float32)
@@ -637,8 +702,9 @@ def build_topk_rows(key: TopkKey):
     else:
 
         @T.prim_func
-        def topk_rows(logits: logits_t, lengths: vec_t, starts: starts_t, page_table: table_t, row_request: request_t,
-                      out: out_t):
+        def topk_rows(
+            logits: logits_t, lengths: vec_t, starts: starts_t, page_table: table_t, row_request: request_t, out: out_t
+        ):
             select_rows(logits, lengths, starts, page_table, row_request, out)
 
     return topk_rows
@@ -694,15 +760,22 @@ def build_topk_split(key: TopkSplitKey):
         if key.has_starts:
 
             @T.prim_func
-            def topk_split_hist(logits: logits_t, lengths: vec_t, starts: starts_t, counters: counters_t,
-                                row_state: state_t, cand: cand_t):
+            def topk_split_hist(
+                logits: logits_t,
+                lengths: vec_t,
+                starts: starts_t,
+                counters: counters_t,
+                row_state: state_t,
+                cand: cand_t,
+            ):
                 hist_stage(logits, lengths, starts, counters, row_state)
 
         else:
 
             @T.prim_func
-            def topk_split_hist(logits: logits_t, lengths: vec_t, counters: counters_t, row_state: state_t,
-                                cand: cand_t):
+            def topk_split_hist(
+                logits: logits_t, lengths: vec_t, counters: counters_t, row_state: state_t, cand: cand_t
+            ):
                 hist_stage(logits, lengths, None, counters, row_state)
 
         return topk_split_hist
@@ -710,8 +783,9 @@ def build_topk_split(key: TopkSplitKey):
     count_t = T.Tensor((dims.rows, dims.chunks), T.int32)
     out_t = T.Tensor((dims.rows, dims.out_width), T.int32)
     scratch = (counters_t, state_t, cand_t, count_t)
-    return _select_entry(_select_stage(key, parts, dims), key, logits_t, (vec_t, starts_t, request_t), table_t,
-                         scratch, out_t)
+    return _select_entry(
+        _select_stage(key, parts, dims), key, logits_t, (vec_t, starts_t, request_t), table_t, scratch, out_t
+    )
 
 
 class _Dims:
@@ -729,8 +803,10 @@ def _chunk_macro(dims):
     def chunk_bounds(lo, hi, c, bounds):
         """``bounds[3:5]``: the candidates ``[lo, hi)`` that chunk c holds."""
         bounds[3] = T.cast(T.max(T.cast(lo, T.int64), T.cast(c, T.int64) * dims.chunk), T.int32)
-        bounds[4] = T.cast(T.max(T.min(T.cast(hi, T.int64), (T.cast(c, T.int64) + 1) * dims.chunk),
-                                 T.cast(bounds[3], T.int64)), T.int32)
+        bounds[4] = T.cast(
+            T.max(T.min(T.cast(hi, T.int64), (T.cast(c, T.int64) + 1) * dims.chunk), T.cast(bounds[3], T.int64)),
+            T.int32,
+        )
 
     return chunk_bounds
 
@@ -802,11 +878,15 @@ def _gather_macro(key: TopkSplitKey, parts: _Parts, dims: _Dims):
                 for step in _lifts(threads):
                     if c[0] + step < chunks and offs[T.min(c[0] + step, threads - 1)] <= it * threads + tx:
                         c[0] = c[0] + step
-                lkey[it * threads + tx] = T.reinterpret(T.atomic_load(
-                    cand[r, c[0], 0, T.min(it * threads + tx - offs[c[0]], chunk - 1)], memory_order="relaxed"),
-                    T.uint32)
+                lkey[it * threads + tx] = T.reinterpret(
+                    T.atomic_load(
+                        cand[r, c[0], 0, T.min(it * threads + tx - offs[c[0]], chunk - 1)], memory_order="relaxed"
+                    ),
+                    T.uint32,
+                )
                 lcol[it * threads + tx] = T.atomic_load(
-                    cand[r, c[0], 1, T.min(it * threads + tx - offs[c[0]], chunk - 1)], memory_order="relaxed")
+                    cand[r, c[0], 1, T.min(it * threads + tx - offs[c[0]], chunk - 1)], memory_order="relaxed"
+                )
         T.sync_threads()
 
     return gather
@@ -859,8 +939,19 @@ def _select_stage(key: TopkSplitKey, parts: _Parts, dims: _Dims):
                 chunk_bounds(lo, hi, bx, bounds)
                 found[0] = 0
                 if bounds[4] > bounds[3]:
-                    parts.collect(logits, row, bounds[3], bounds[4], T.cast(top[0], T.uint32) << FIRST_SHIFT, None,
-                                  cand, (by, bx), dims.chunk, cnt, found)
+                    parts.collect(
+                        logits,
+                        row,
+                        bounds[3],
+                        bounds[4],
+                        T.cast(top[0], T.uint32) << FIRST_SHIFT,
+                        None,
+                        cand,
+                        (by, bx),
+                        dims.chunk,
+                        cnt,
+                        found,
+                    )
                 if tx == 0:
                     cand_count[by, bx] = found[0]
                 _ticket(counters, by, state)
@@ -874,8 +965,26 @@ def _select_stage(key: TopkSplitKey, parts: _Parts, dims: _Dims):
                     finishes[0] = 1
             if finishes[0] != 0:
                 T.sync_threads()  # state is read
-                parts.finish(use_list[0], logits, row, lo, hi, lkey, lcol, top[2], top[0], top[1], hist, state, sums,
-                             cnt, out, row, start, paging)
+                parts.finish(
+                    use_list[0],
+                    logits,
+                    row,
+                    lo,
+                    hi,
+                    lkey,
+                    lcol,
+                    top[2],
+                    top[0],
+                    top[1],
+                    hist,
+                    state,
+                    sums,
+                    cnt,
+                    out,
+                    row,
+                    start,
+                    paging,
+                )
                 parts.pad(out, row)
 
     return select_stage
@@ -889,49 +998,95 @@ def _select_entry(select_stage, key, logits_t, vectors, table_t, scratch, out_t)
     if variant == (False, False, False):
 
         @T.prim_func
-        def topk_split_select(logits: logits_t, lengths: vec_t, counters: counters_t, row_state: state_t,
-                              cand: cand_t, cand_count: count_t, out: out_t):
+        def topk_split_select(
+            logits: logits_t,
+            lengths: vec_t,
+            counters: counters_t,
+            row_state: state_t,
+            cand: cand_t,
+            cand_count: count_t,
+            out: out_t,
+        ):
             select_stage(logits, lengths, None, None, None, counters, row_state, cand, cand_count, out)
 
     elif variant == (True, False, False):
 
         @T.prim_func
-        def topk_split_select(logits: logits_t, lengths: vec_t, starts: starts_t, counters: counters_t,
-                              row_state: state_t, cand: cand_t, cand_count: count_t, out: out_t):
+        def topk_split_select(
+            logits: logits_t,
+            lengths: vec_t,
+            starts: starts_t,
+            counters: counters_t,
+            row_state: state_t,
+            cand: cand_t,
+            cand_count: count_t,
+            out: out_t,
+        ):
             select_stage(logits, lengths, starts, None, None, counters, row_state, cand, cand_count, out)
 
     elif variant == (False, True, False):
 
         @T.prim_func
-        def topk_split_select(logits: logits_t, lengths: vec_t, page_table: table_t, counters: counters_t,
-                              row_state: state_t, cand: cand_t, cand_count: count_t, out: out_t):
+        def topk_split_select(
+            logits: logits_t,
+            lengths: vec_t,
+            page_table: table_t,
+            counters: counters_t,
+            row_state: state_t,
+            cand: cand_t,
+            cand_count: count_t,
+            out: out_t,
+        ):
             select_stage(logits, lengths, None, page_table, None, counters, row_state, cand, cand_count, out)
 
     elif variant == (True, True, False):
 
         @T.prim_func
-        def topk_split_select(logits: logits_t, lengths: vec_t, starts: starts_t, page_table: table_t,
-                              counters: counters_t, row_state: state_t, cand: cand_t, cand_count: count_t,
-                              out: out_t):
+        def topk_split_select(
+            logits: logits_t,
+            lengths: vec_t,
+            starts: starts_t,
+            page_table: table_t,
+            counters: counters_t,
+            row_state: state_t,
+            cand: cand_t,
+            cand_count: count_t,
+            out: out_t,
+        ):
             select_stage(logits, lengths, starts, page_table, None, counters, row_state, cand, cand_count, out)
 
     elif variant == (False, True, True):
 
         @T.prim_func
-        def topk_split_select(logits: logits_t, lengths: vec_t, page_table: table_t, row_request: request_t,
-                              counters: counters_t, row_state: state_t, cand: cand_t, cand_count: count_t,
-                              out: out_t):
-            select_stage(logits, lengths, None, page_table, row_request, counters, row_state, cand, cand_count,
-                         out)
+        def topk_split_select(
+            logits: logits_t,
+            lengths: vec_t,
+            page_table: table_t,
+            row_request: request_t,
+            counters: counters_t,
+            row_state: state_t,
+            cand: cand_t,
+            cand_count: count_t,
+            out: out_t,
+        ):
+            select_stage(logits, lengths, None, page_table, row_request, counters, row_state, cand, cand_count, out)
 
     else:
 
         @T.prim_func
-        def topk_split_select(logits: logits_t, lengths: vec_t, starts: starts_t, page_table: table_t,
-                              row_request: request_t, counters: counters_t, row_state: state_t, cand: cand_t,
-                              cand_count: count_t, out: out_t):
-            select_stage(logits, lengths, starts, page_table, row_request, counters, row_state, cand, cand_count,
-                         out)
+        def topk_split_select(
+            logits: logits_t,
+            lengths: vec_t,
+            starts: starts_t,
+            page_table: table_t,
+            row_request: request_t,
+            counters: counters_t,
+            row_state: state_t,
+            cand: cand_t,
+            cand_count: count_t,
+            out: out_t,
+        ):
+            select_stage(logits, lengths, starts, page_table, row_request, counters, row_state, cand, cand_count, out)
 
     return topk_split_select
 

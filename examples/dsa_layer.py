@@ -137,8 +137,9 @@ class DSAConfig:
 
 DEEPSEEK_V32 = DSAConfig("deepseek-v3.2", hidden=7168, heads=128, q_lora=1536, qk_nope=128, v_head=128, d_rope=64)
 # GLM-5.3-Flash: 64 heads, 512 + 0 latent rows, 32 indexer heads; the dense projection sizes follow GLM-5's.
-GLM_53_FLASH = DSAConfig("glm-5.3-flash", hidden=6144, heads=64, q_lora=2048, qk_nope=192, v_head=256, d_rope=0,
-                         index_heads=32)
+GLM_53_FLASH = DSAConfig(
+    "glm-5.3-flash", hidden=6144, heads=64, q_lora=2048, qk_nope=192, v_head=256, d_rope=0, index_heads=32
+)
 # One rank of tensor parallelism 8: the attention heads are split; the indexer is replicated, as in DeepSeek-V3.2's
 # reference model, because every rank must select the same rows.
 DEEPSEEK_V32_TP8 = replace(DEEPSEEK_V32, name="deepseek-v3.2-tp8", heads=16)
@@ -256,8 +257,16 @@ class PagedCache:
     page: int
 
     @classmethod
-    def allocate(cls, config: DSAConfig, requests: int, max_len: int, device: torch.device | str = "cpu",
-                 seed: int = 0, poison: bool = True, spare_pages: int = 1) -> PagedCache:
+    def allocate(
+        cls,
+        config: DSAConfig,
+        requests: int,
+        max_len: int,
+        device: torch.device | str = "cpu",
+        seed: int = 0,
+        poison: bool = True,
+        spare_pages: int = 1,
+    ) -> PagedCache:
         """Caches for ``requests`` requests of up to ``max_len`` tokens.
 
         The page table hands out a random permutation of the pages (``spare_pages`` of them belong to no request),
@@ -389,13 +398,20 @@ class DSALayer(torch.nn.Module):
         q8, weights = self.index_query(proj)  # [T, Hi, D], [T, Hi]
         k8, k_scale = dsa.gather_index_k(cache.index_k, slots, c.index_dim)  # [T, D], [T]: the batch's keys
         logits = dsa.index_logits(q8, k8, k_scale, weights, batch.starts, batch.ends)  # [T, T]
-        indices = dsa.topk(logits, batch.lengths, c.topk, batch.starts, cache.page_table, batch.request, c.page,
-                           c.topk_width)  # [T, K] slots
+        indices = dsa.topk(
+            logits, batch.lengths, c.topk, batch.starts, cache.page_table, batch.request, c.page, c.topk_width
+        )  # [T, K] slots
         o_latent, _ = dsa.sparse_attn(proj.q, cache.kv, indices, c.sm_scale, c.kv_lora)  # [T, H, C]
         return self.output(o_latent), indices
 
-    def decode(self, x: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor, index_k: torch.Tensor,
-               page_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        kv: torch.Tensor,
+        index_k: torch.Tensor,
+        page_table: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One new token per request: ``x [B, hidden]`` bfloat16 at ``positions [B]`` int32 of its request.
 
         The caches (``kv``, ``index_k``, ``page_table`` as in :class:`PagedCache`) are arguments, not attributes,
@@ -410,8 +426,9 @@ class DSALayer(torch.nn.Module):
         q8, weights = self.index_query(proj)  # [B, Hi, D], [B, Hi]
         lengths = positions + 1  # [B] int32: the new token sees itself
         logits = dsa.paged_index_logits(q8.unsqueeze(1), index_k, weights, lengths, page_table)  # [B, W]
-        indices = dsa.topk(logits, lengths, c.topk, page_table=page_table, page_size=c.page,
-                           out_width=c.topk_width)  # [B, K] slots
+        indices = dsa.topk(
+            logits, lengths, c.topk, page_table=page_table, page_size=c.page, out_width=c.topk_width
+        )  # [B, K] slots
         o_latent, _ = dsa.sparse_attn(proj.q, kv, indices, c.sm_scale, c.kv_lora)  # [B, H, C]
         return self.output(o_latent), indices
 
@@ -436,8 +453,14 @@ class DecodeStep:
     are the graph's static outputs, overwritten by the next call: clone what must outlive it.
     """
 
-    def __init__(self, layer: DSALayer, cache: PagedCache, backend: str = "inductor",
-                 cuda_graph: bool | None = None, warmup_runs: int = 2) -> None:
+    def __init__(
+        self,
+        layer: DSALayer,
+        cache: PagedCache,
+        backend: str = "inductor",
+        cuda_graph: bool | None = None,
+        warmup_runs: int = 2,
+    ) -> None:
         device = cache.kv.device
         batch = cache.page_table.shape[0]
         self.layer, self.cache, self.warmup_runs = layer, cache, warmup_runs
@@ -511,8 +534,9 @@ def dequantized_latent_rows(kv_c: torch.Tensor, k_pe: torch.Tensor | None, round
     return rows.float()
 
 
-def dense_reference(layer: DSALayer, proj: Projection, queries: torch.Tensor, attend_to: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def dense_reference(
+    layer: DSALayer, proj: Projection, queries: torch.Tensor, attend_to: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The layer for queries of one request, computed densely in plain torch.
 
     Parameters
@@ -595,15 +619,23 @@ def decode_stages(layer: DSALayer, cache: PagedCache) -> list[Stage]:
         e["lengths"] = e["positions"] + 1
 
     def paged_index_logits(e):
-        e["logits"] = dsa.paged_index_logits(e["q8"].unsqueeze(1), cache.index_k, e["weights"], e["lengths"],
-                                             cache.page_table)
+        e["logits"] = dsa.paged_index_logits(
+            e["q8"].unsqueeze(1), cache.index_k, e["weights"], e["lengths"], cache.page_table
+        )
 
     def topk(e):
-        e["indices"] = dsa.topk(e["logits"], e["lengths"], c.topk, page_table=cache.page_table, page_size=c.page,
-                                out_width=c.topk_width)
+        e["indices"] = dsa.topk(
+            e["logits"], e["lengths"], c.topk, page_table=cache.page_table, page_size=c.page, out_width=c.topk_width
+        )
 
-    return [("project", project), *_store_stages(layer, cache), ("quant_index", _quant_index_stage(layer)),
-            ("paged_index_logits", paged_index_logits), ("topk", topk), *_attend_stages(layer, cache)]
+    return [
+        ("project", project),
+        *_store_stages(layer, cache),
+        ("quant_index", _quant_index_stage(layer)),
+        ("paged_index_logits", paged_index_logits),
+        ("topk", topk),
+        *_attend_stages(layer, cache),
+    ]
 
 
 def prefill_stages(layer: DSALayer, cache: PagedCache, batch: PrefillBatch) -> list[Stage]:
@@ -621,12 +653,19 @@ def prefill_stages(layer: DSALayer, cache: PagedCache, batch: PrefillBatch) -> l
         e["logits"] = dsa.index_logits(e["q8"], e["k8"], e["k_scale"], e["weights"], batch.starts, batch.ends)
 
     def topk(e):
-        e["indices"] = dsa.topk(e["logits"], batch.lengths, c.topk, batch.starts, cache.page_table, batch.request,
-                                c.page, c.topk_width)
+        e["indices"] = dsa.topk(
+            e["logits"], batch.lengths, c.topk, batch.starts, cache.page_table, batch.request, c.page, c.topk_width
+        )
 
-    return [("project", project), *_store_stages(layer, cache), ("quant_index", _quant_index_stage(layer)),
-            ("gather_index_k", gather_index_k), ("index_logits", index_logits), ("topk", topk),
-            *_attend_stages(layer, cache)]
+    return [
+        ("project", project),
+        *_store_stages(layer, cache),
+        ("quant_index", _quant_index_stage(layer)),
+        ("gather_index_k", gather_index_k),
+        ("index_logits", index_logits),
+        ("topk", topk),
+        *_attend_stages(layer, cache),
+    ]
 
 
 def _store_stages(layer: DSALayer, cache: PagedCache) -> list[Stage]:
@@ -702,8 +741,10 @@ def _time_stages(stages: Sequence[Stage], env: dict, iters: int, warmup: int, gr
         layer_run()
         end.record()
     torch.cuda.synchronize()
-    us = {name: 1e3 * statistics.median(ev[i].elapsed_time(ev[i + 1]) for ev in marks)
-          for i, (name, _) in enumerate(stages)}
+    us = {
+        name: 1e3 * statistics.median(ev[i].elapsed_time(ev[i + 1]) for ev in marks)
+        for i, (name, _) in enumerate(stages)
+    }
     us["total"] = sum(us.values())
     us["layer"] = 1e3 * statistics.median(b.elapsed_time(e) for b, e in ends)
     return us
@@ -729,9 +770,17 @@ def _fill_cache(layer: DSALayer, cache: PagedCache, length: int, seed: int) -> N
         dsa.store_index_k(rows(n, c.index_dim), cache.index_k, slots, c.index_round_scale)
 
 
-def bench_layer(config: DSAConfig, *, decode_batch: int = 64, decode_context: int = 32768,
-                prefill_tokens: int = 8192, iters: int = 20, warmup: int = 2, graphs: bool = True,
-                seed: int = 0) -> dict[str, dict[str, float]]:
+def bench_layer(
+    config: DSAConfig,
+    *,
+    decode_batch: int = 64,
+    decode_context: int = 32768,
+    prefill_tokens: int = 8192,
+    iters: int = 20,
+    warmup: int = 2,
+    graphs: bool = True,
+    seed: int = 0,
+) -> dict[str, dict[str, float]]:
     """Time one decode step and one prefill of the layer on the current GPU, stage by stage.
 
     The decode step: ``decode_batch`` requests, each with ``decode_context - 1`` cached tokens (random rows) and
@@ -755,8 +804,10 @@ def bench_layer(config: DSAConfig, *, decode_batch: int = 64, decode_context: in
 
     cache = PagedCache.allocate(config, decode_batch, decode_context, device, seed, poison=False)
     _fill_cache(layer, cache, decode_context - 1, seed + 2)
-    env = {"x": torch.randn(decode_batch, config.hidden, generator=gen, device=device).to(torch.bfloat16),
-           "positions": torch.full((decode_batch,), decode_context - 1, dtype=torch.int32, device=device)}
+    env = {
+        "x": torch.randn(decode_batch, config.hidden, generator=gen, device=device).to(torch.bfloat16),
+        "positions": torch.full((decode_batch,), decode_context - 1, dtype=torch.int32, device=device),
+    }
     results["decode"] = _time_stages(decode_stages(layer, cache), env, iters, warmup, graphs)
     del cache, env
 
@@ -777,8 +828,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args(argv)
     for name in args.config or sorted(CONFIGS):
-        figures = bench_layer(CONFIGS[name], decode_batch=args.decode_batch, decode_context=args.decode_context,
-                              prefill_tokens=args.prefill_tokens, iters=args.iters)
+        figures = bench_layer(
+            CONFIGS[name],
+            decode_batch=args.decode_batch,
+            decode_context=args.decode_context,
+            prefill_tokens=args.prefill_tokens,
+            iters=args.iters,
+        )
         for phase, us in figures.items():
             print(f"{name} {phase}: layer {us['layer']:.1f} us, stages {us['total']:.1f} us")
             for stage, t in us.items():

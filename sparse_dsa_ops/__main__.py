@@ -109,24 +109,78 @@ def _cases(n_rows: int, tokens: int, topk: int, slots: int) -> list[Case]:
             return cache
 
         cases += [
-            Case("quant_k_cache", geo, lambda g, k=k_rows: (*k(g, n_rows), False), ops.quant_k_cache,
-                 reference.quant_k_cache, True),
-            Case("store_k_cache", geo, lambda g, k=k_rows, p=pool: (*k(g, n_rows), p(g),
-                 torch.randperm(slots, generator=g)[:n_rows].int(), True), store_run, store_ref, True),
-            Case("dequant_k_cache", geo, lambda g, p=pool: (p(g),), ops.dequant_k_cache, reference.dequant_k_cache,
-                 True),
-            Case("gather_k_cache", geo, lambda g, p=pool: (p(g), slot_ids(g, n_rows)), ops.gather_k_cache,
-                 reference.gather_k_cache, True),
-            Case("gather_dequant_k_cache", geo, lambda g, p=pool: (p(g), slot_ids(g, n_rows)),
-                 ops.gather_dequant_k_cache, reference.gather_dequant_k_cache, True),
-            Case("sparse_attn bf16", geo, lambda g, a=attn_inputs: a(g, "bf16"), ops.sparse_attn,
-                 reference.sparse_attn, False),
-            Case("sparse_attn packed", geo, lambda g, a=attn_inputs: a(g, "packed"), ops.sparse_attn,
-                 reference.sparse_attn, False),
-            Case("sparse_attn fp8", geo, lambda g, a=attn_inputs: a(g, "fp8"), ops.sparse_attn,
-                 reference.sparse_attn, False),
-            Case("sparse_attn T2 packed", geo, lambda g, a=attn_inputs: a(g, "packed", 2), ops.sparse_attn,
-                 reference.sparse_attn, False),
+            Case(
+                "quant_k_cache",
+                geo,
+                lambda g, k=k_rows: (*k(g, n_rows), False),
+                ops.quant_k_cache,
+                reference.quant_k_cache,
+                True,
+            ),
+            Case(
+                "store_k_cache",
+                geo,
+                lambda g, k=k_rows, p=pool: (
+                    *k(g, n_rows),
+                    p(g),
+                    torch.randperm(slots, generator=g)[:n_rows].int(),
+                    True,
+                ),
+                store_run,
+                store_ref,
+                True,
+            ),
+            Case(
+                "dequant_k_cache", geo, lambda g, p=pool: (p(g),), ops.dequant_k_cache, reference.dequant_k_cache, True
+            ),
+            Case(
+                "gather_k_cache",
+                geo,
+                lambda g, p=pool: (p(g), slot_ids(g, n_rows)),
+                ops.gather_k_cache,
+                reference.gather_k_cache,
+                True,
+            ),
+            Case(
+                "gather_dequant_k_cache",
+                geo,
+                lambda g, p=pool: (p(g), slot_ids(g, n_rows)),
+                ops.gather_dequant_k_cache,
+                reference.gather_dequant_k_cache,
+                True,
+            ),
+            Case(
+                "sparse_attn bf16",
+                geo,
+                lambda g, a=attn_inputs: a(g, "bf16"),
+                ops.sparse_attn,
+                reference.sparse_attn,
+                False,
+            ),
+            Case(
+                "sparse_attn packed",
+                geo,
+                lambda g, a=attn_inputs: a(g, "packed"),
+                ops.sparse_attn,
+                reference.sparse_attn,
+                False,
+            ),
+            Case(
+                "sparse_attn fp8",
+                geo,
+                lambda g, a=attn_inputs: a(g, "fp8"),
+                ops.sparse_attn,
+                reference.sparse_attn,
+                False,
+            ),
+            Case(
+                "sparse_attn T2 packed",
+                geo,
+                lambda g, a=attn_inputs: a(g, "packed", 2),
+                ops.sparse_attn,
+                reference.sparse_attn,
+                False,
+            ),
         ]
     return cases
 
@@ -174,8 +228,11 @@ def check(device: torch.device) -> int:
     print()
     on_cpu = device.type == "cpu"
     # on a GPU, 256 tokens take the prefill path at both geometries and 2 tokens the split decode path
-    sizes = dict(n_rows=4096, tokens=4, topk=2048, slots=16384) if on_cpu else dict(
-        n_rows=65536, tokens=256, topk=2048, slots=65536)
+    sizes = (
+        dict(n_rows=4096, tokens=4, topk=2048, slots=16384)
+        if on_cpu
+        else dict(n_rows=65536, tokens=256, topk=2048, slots=65536)
+    )
     if not on_cpu:
         _warm_up_check()
     rows, failures = [], 0
@@ -211,8 +268,16 @@ def source(args: argparse.Namespace) -> int:
 
     if args.op == "sparse_attn":
         sm_scale = args.sm_scale if args.sm_scale is not None else (args.d_nope + args.d_rope) ** -0.5
-        keys = _cuda.attn_keys(args.kv, args.d_nope, args.d_rope, args.heads, sm_scale, args.topk_length,
-                               target=args.target, q_fp8=args.q == "fp8")
+        keys = _cuda.attn_keys(
+            args.kv,
+            args.d_nope,
+            args.d_rope,
+            args.heads,
+            sm_scale,
+            args.topk_length,
+            target=args.target,
+            q_fp8=args.q == "fp8",
+        )
     else:
         keys = _cuda.cache_keys(args.op, KCacheLayout(args.d_nope, args.d_rope), args.round_scale, args.slot_dtype)
     for key in keys:
@@ -259,13 +324,18 @@ def _ceilings() -> dict[str, float]:
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     # the best of a byte copy and a word copy of the same 1 GiB (torch picks different kernels)
-    copy_us = min(_graph_time_us(lambda: dst.copy_(src), reps=5),
-                  _graph_time_us(lambda: dst.view(torch.int64).copy_(src.view(torch.int64)), reps=5))
+    copy_us = min(
+        _graph_time_us(lambda: dst.copy_(src), reps=5),
+        _graph_time_us(lambda: dst.view(torch.int64).copy_(src.view(torch.int64)), reps=5),
+    )
     fa, fb = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()  # (column-major b, as cuBLASLt needs)
     one = torch.ones((), device="cuda")
     fp8_us = _graph_time_us(lambda: torch._scaled_mm(fa, fb, one, one, out_dtype=torch.bfloat16), reps=5)
-    return {"matmul_tflops": 2 * 8192**3 / mm_us / 1e6, "fp8_matmul_tflops": 2 * 8192**3 / fp8_us / 1e6,
-            "copy_gbps": 2 * (1 << 30) / copy_us / 1e3}
+    return {
+        "matmul_tflops": 2 * 8192**3 / mm_us / 1e6,
+        "fp8_matmul_tflops": 2 * 8192**3 / fp8_us / 1e6,
+        "copy_gbps": 2 * (1 << 30) / copy_us / 1e3,
+    }
 
 
 def bench_cases() -> list[dict]:
@@ -315,8 +385,16 @@ def bench_row(case: dict, times_us: list[float], ceil: dict[str, float]) -> tupl
     spread = f"{times[0]:.1f}-{times[-1]:.1f}" if len(times) > 1 else ""
     status = target_status(case.get("target"), us, rate, ratio)
     row = [case["name"], case["path"], f"{us:.1f}", spread, f"{rate:.0f} {unit}", share, status]
-    record = dict(case=case["name"], path=case["path"], us=us, us_rounds=list(times_us), rate=rate, unit=unit,
-                  ratio_to_ceiling=ratio, target=status)
+    record = dict(
+        case=case["name"],
+        path=case["path"],
+        us=us,
+        us_rounds=list(times_us),
+        rate=rate,
+        unit=unit,
+        ratio_to_ceiling=ratio,
+        target=status,
+    )
     return row, record
 
 
@@ -327,8 +405,10 @@ def bench(args: argparse.Namespace) -> int:
     for key, value in environment():
         print(f"{key:<10}{value}")
     ceil = _ceilings()
-    print(f"ceilings  bf16 matmul 8192^3: {ceil['matmul_tflops']:.0f} TFLOPS; FP8 matmul 8192^3: "
-          f"{ceil['fp8_matmul_tflops']:.0f} TFLOPS; device copy 1 GiB: {ceil['copy_gbps']:.0f} GB/s (read + write)\n")
+    print(
+        f"ceilings  bf16 matmul 8192^3: {ceil['matmul_tflops']:.0f} TFLOPS; FP8 matmul 8192^3: "
+        f"{ceil['fp8_matmul_tflops']:.0f} TFLOPS; device copy 1 GiB: {ceil['copy_gbps']:.0f} GB/s (read + write)\n"
+    )
     from . import _cuda
 
     wanted = [f for f in (args.filter or "").split(",") if f]
@@ -373,10 +453,15 @@ def main(argv: list[str] | None = None) -> int:
     p_check.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p_src = sub.add_parser("source", help="print the generated kernel source of an op (no GPU needed)")
     p_src.add_argument("--op", required=True, choices=("sparse_attn", *_cuda_k_cache_ops()))
-    p_src.add_argument("--kv", default="bf16", choices=("bf16", "fp8", "packed"),
-                       help="kv of sparse_attn: bf16, fp8 (float8_e4m3fn values) or packed (uint8 FP8 rows)")
-    p_src.add_argument("--q", default="bf16", choices=("bf16", "fp8"), help="q dtype of sparse_attn (fp8 needs "
-                       "fp8 or packed kv)")
+    p_src.add_argument(
+        "--kv",
+        default="bf16",
+        choices=("bf16", "fp8", "packed"),
+        help="kv of sparse_attn: bf16, fp8 (float8_e4m3fn values) or packed (uint8 FP8 rows)",
+    )
+    p_src.add_argument(
+        "--q", default="bf16", choices=("bf16", "fp8"), help="q dtype of sparse_attn (fp8 needs fp8 or packed kv)"
+    )
     p_src.add_argument("--d-nope", type=int, default=512, help="latent (= value) width")
     p_src.add_argument("--d-rope", type=int, default=64, help="RoPE tail width (0 for none)")
     p_src.add_argument("--heads", type=int, default=128)
@@ -387,10 +472,15 @@ def main(argv: list[str] | None = None) -> int:
     p_src.add_argument("--target", default="cuda", choices=("cuda", "hip"), help="cuda = sm_90a, hip = gfx950")
     p_bench = sub.add_parser("bench", help="GPU timings with CUDA-graph replay")
     p_bench.add_argument("--json", default=None, help="also write the rows to this file")
-    p_bench.add_argument("--filter", default=None, help="only cases whose name contains one of these "
-                         "comma-separated strings")
-    p_bench.add_argument("--rounds", type=int, default=1, help="time each case this many times (a graph "
-                         "captured for each) and report the median and the range")
+    p_bench.add_argument(
+        "--filter", default=None, help="only cases whose name contains one of these comma-separated strings"
+    )
+    p_bench.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="time each case this many times (a graph captured for each) and report the median and the range",
+    )
     args = parser.parse_args(argv)
     if args.command == "bench" and args.rounds < 1:
         p_bench.error(f"--rounds must be at least 1, got {args.rounds}")

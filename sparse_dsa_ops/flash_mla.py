@@ -161,26 +161,36 @@ def _check_decode_mode(
     """Raise for the FlashMLA modes this module does not implement, naming the argument."""
     if indices is None:
         _unsupported("indices=None", "dense decoding; only sparse attention (indices given) is implemented")
-    for name, value in (("extra_k_cache", extra_k_cache), ("extra_indices_in_kvcache", extra_indices_in_kvcache),
-                        ("extra_topk_length", extra_topk_length)):
+    for name, value in (
+        ("extra_k_cache", extra_k_cache),
+        ("extra_indices_in_kvcache", extra_indices_in_kvcache),
+        ("extra_topk_length", extra_topk_length),
+    ):
         if value is not None:
             _unsupported(name, "one KV segment per call; a second segment (extra_*) is not implemented")
     if causal:
         _unsupported("causal=True", "sparse attention has no causal mask (the indices decide what is attended)")
     if not is_fp8_kvcache:
-        _unsupported("is_fp8_kvcache=False", "sparse decoding reads packed FP8 rows (as FlashMLA's does); call "
-                     "sparse_dsa_ops.sparse_attn for a bfloat16 pool")
+        _unsupported(
+            "is_fp8_kvcache=False",
+            "sparse decoding reads packed FP8 rows (as FlashMLA's does); call "
+            "sparse_dsa_ops.sparse_attn for a bfloat16 pool",
+        )
 
 
 def _packed_pool(k_cache: torch.Tensor, d_qk: int, head_dim_v: int) -> torch.Tensor:
     """The pool as a uint8 view of the same memory (same shape and strides: never a copy)."""
     if not isinstance(k_cache, torch.Tensor) or k_cache.dtype not in _PACKED_POOL_DTYPES:
         got = k_cache.dtype if isinstance(k_cache, torch.Tensor) else type(k_cache).__name__
-        raise TypeError(f"sparse_dsa_ops.flash_mla: k_cache must hold packed FP8 rows as float8_e4m3fn, int8 or "
-                        f"uint8, got {got}")
+        raise TypeError(
+            f"sparse_dsa_ops.flash_mla: k_cache must hold packed FP8 rows as float8_e4m3fn, int8 or uint8, got {got}"
+        )
     if d_qk == 512 and head_dim_v == 512 and k_cache.shape[-1] == FLASHMLA_MODEL1_ROW_BYTES:
-        _unsupported("k_cache", f"FlashMLA's {FLASHMLA_MODEL1_ROW_BYTES}-byte row for d_qk 512 (448 FP8 + 64 "
-                     "bfloat16, ue8m0 scales, page-major) is a different format; store rows as KCacheLayout(512, 0)")
+        _unsupported(
+            "k_cache",
+            f"FlashMLA's {FLASHMLA_MODEL1_ROW_BYTES}-byte row for d_qk 512 (448 FP8 + 64 "
+            "bfloat16, ue8m0 scales, page-major) is a different format; store rows as KCacheLayout(512, 0)",
+        )
     return k_cache.view(torch.uint8)
 
 
@@ -242,15 +252,21 @@ def flash_mla_with_kvcache(
     """
     _check_decode_mode(indices, causal, is_fp8_kvcache, extra_k_cache, extra_indices_in_kvcache, extra_topk_length)
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
-        raise ValueError(f"sparse_dsa_ops.flash_mla: q must be [b, s_q, h_q, d_qk], got "
-                         f"{list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+        raise ValueError(
+            f"sparse_dsa_ops.flash_mla: q must be [b, s_q, h_q, d_qk], got "
+            f"{list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}"
+        )
     b, s_q, h_q, d_qk = q.shape
     if not isinstance(indices, torch.Tensor) or indices.dim() != 3 or tuple(indices.shape[:2]) != (b, s_q):
-        raise ValueError(f"sparse_dsa_ops.flash_mla: indices must be [b, s_q, topk] with b, s_q = {b}, {s_q} like "
-                         f"q, got {list(indices.shape) if isinstance(indices, torch.Tensor) else indices!r}")
+        raise ValueError(
+            f"sparse_dsa_ops.flash_mla: indices must be [b, s_q, topk] with b, s_q = {b}, {s_q} like "
+            f"q, got {list(indices.shape) if isinstance(indices, torch.Tensor) else indices!r}"
+        )
     if topk_length is not None and (not isinstance(topk_length, torch.Tensor) or tuple(topk_length.shape) != (b,)):
-        raise ValueError(f"sparse_dsa_ops.flash_mla: topk_length must be [b] = [{b}] (one length per request), got "
-                         f"{list(topk_length.shape) if isinstance(topk_length, torch.Tensor) else topk_length!r}")
+        raise ValueError(
+            f"sparse_dsa_ops.flash_mla: topk_length must be [b] = [{b}] (one length per request), got "
+            f"{list(topk_length.shape) if isinstance(topk_length, torch.Tensor) else topk_length!r}"
+        )
     pool = _packed_pool(k_cache, d_qk, head_dim_v)
     scale = d_qk**-0.5 if softmax_scale is None else float(softmax_scale)
     rows = b * s_q

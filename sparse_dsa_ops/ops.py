@@ -188,17 +188,29 @@ def _pool(op: str, name: str, x: object, dtypes: Sequence[torch.dtype], device: 
     width = int(pool.shape[-1])
     if pool.dim() == 2:
         if not pool.is_contiguous():
-            _fail(op, name, "contiguous when 2-d (slots are addressed as rows of a flat pool)",
-                  f"{_describe(pool)} with strides {pool.stride()}")
+            _fail(
+                op,
+                name,
+                "contiguous when 2-d (slots are addressed as rows of a flat pool)",
+                f"{_describe(pool)} with strides {pool.stride()}",
+            )
         return PoolView(1, int(pool.shape[0]), width, int(pool.numel()))
     pages, page = int(pool.shape[0]), int(pool.shape[1])
     if pages and not pool[0].is_contiguous():
-        _fail(op, name, "contiguous within a page (slots are addressed as rows of a page)",
-              f"{_describe(pool)} with strides {pool.stride()}")
+        _fail(
+            op,
+            name,
+            "contiguous within a page (slots are addressed as rows of a page)",
+            f"{_describe(pool)} with strides {pool.stride()}",
+        )
     page_stride = int(pool.stride(0)) if pages > 1 else page * width
     if page_stride < page * width or page_stride % width:
-        _fail(op, name, f"pages a whole number of {width}-element rows apart and at least a page of {page} rows",
-              f"{_describe(pool)} with strides {pool.stride()}")
+        _fail(
+            op,
+            name,
+            f"pages a whole number of {width}-element rows apart and at least a page of {page} rows",
+            f"{_describe(pool)} with strides {pool.stride()}",
+        )
     return PoolView(pages, page, width, page_stride)
 
 
@@ -216,8 +228,9 @@ def _slots(op: str, name: str, x: object, device: torch.device, length: object =
     return ids
 
 
-def _vector(op: str, name: str, x: object, dtype: torch.dtype, length: int, device: torch.device,
-            what: str) -> torch.Tensor:
+def _vector(
+    op: str, name: str, x: object, dtype: torch.dtype, length: int, device: torch.device, what: str
+) -> torch.Tensor:
     """A ``[length]`` tensor of ``dtype``, one entry per ``what``."""
     v = _tensor(op, name, x, (dtype,), (1,), device)
     if v.shape[0] != length:
@@ -291,8 +304,9 @@ def _fake_quant_k_cache(lay, k_nope, k_rope, round_scale=False):
     return k_nope.new_empty((k_nope.shape[0], lay.row_bytes), dtype=torch.uint8)
 
 
-@_declare("(Tensor k_nope, Tensor? k_rope, Tensor(a!) cache, Tensor loc, bool round_scale=False) -> ()",
-          check_store_k_cache)
+@_declare(
+    "(Tensor k_nope, Tensor? k_rope, Tensor(a!) cache, Tensor loc, bool round_scale=False) -> ()", check_store_k_cache
+)
 def _fake_store_k_cache(args, k_nope, k_rope, cache, loc, round_scale=False):
     return None
 
@@ -435,8 +449,9 @@ def check_sparse_attn(q, kv, indices, sm_scale, d_v, topk_length=None, attn_sink
             _fail(op, "d_v", f"a multiple of {QUANT_TILE} for a packed FP8 kv (d_v = d_nope)", d_v)
         layout = KCacheLayout(d_v, d_qk - d_v)
         if view.width != layout.row_bytes:
-            _fail(op, "kv", f"packed rows of {layout.row_bytes} bytes for q of width {d_qk} and d_v {d_v} "
-                  f"({layout})", kv)
+            _fail(
+                op, "kv", f"packed rows of {layout.row_bytes} bytes for q of width {d_qk} and d_v {d_v} ({layout})", kv
+            )
     elif view.width != d_qk:
         _fail(op, "kv", f"rows of width d_qk = {d_qk} like q", kv)
     indices = _tensor(op, "indices", indices, (torch.int32,), (2, 3), kv.device)
@@ -456,16 +471,21 @@ def check_attn_max_logits(q, kv, indices, sm_scale, d_v, topk_length=None) -> At
     return check_sparse_attn(q, kv, indices, sm_scale, d_v, topk_length)
 
 
-@_declare("(Tensor q, Tensor kv, Tensor indices, float sm_scale, int d_v, Tensor? topk_length=None, "
-          "Tensor? attn_sink=None) -> (Tensor, Tensor)", check_sparse_attn)
+@_declare(
+    "(Tensor q, Tensor kv, Tensor indices, float sm_scale, int d_v, Tensor? topk_length=None, "
+    "Tensor? attn_sink=None) -> (Tensor, Tensor)",
+    check_sparse_attn,
+)
 def _fake_sparse_attn(args, q, kv, indices, sm_scale, d_v, topk_length=None, attn_sink=None):
     out = q.new_empty((q.shape[0], q.shape[1], d_v), dtype=torch.bfloat16)
     lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
     return out, lse
 
 
-@_declare("(Tensor q, Tensor kv, Tensor indices, float sm_scale, int d_v, Tensor? topk_length=None) -> Tensor",
-          check_attn_max_logits)
+@_declare(
+    "(Tensor q, Tensor kv, Tensor indices, float sm_scale, int d_v, Tensor? topk_length=None) -> Tensor",
+    check_attn_max_logits,
+)
 def _fake_attn_max_logits(args, q, kv, indices, sm_scale, d_v, topk_length=None):
     return q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
 
@@ -534,8 +554,14 @@ def attn_max_logits(
 # The lightning indexer: its FP8 keys, the paged index-K cache and the logits.
 
 
-def _index_rows(op: str, name: str, x: object, dtypes: Sequence[torch.dtype], ranks: Sequence[int],
-                device: torch.device | None = None) -> torch.Tensor:
+def _index_rows(
+    op: str,
+    name: str,
+    x: object,
+    dtypes: Sequence[torch.dtype],
+    ranks: Sequence[int],
+    device: torch.device | None = None,
+) -> torch.Tensor:
     """A tensor whose last dim is the indexer head dim D, a positive multiple of 64."""
     x = _tensor(op, name, x, dtypes, ranks, device)
     d = int(x.shape[-1])
@@ -569,25 +595,42 @@ def _index_cache(op: str, cache: object, dim: int | None, device: torch.device |
     if cache.dim() == 4 and cache.shape[2] != 1:
         _fail(op, "cache", "[P, page, 1, D + 4] when 4-d", cache)
     if not cache.is_contiguous():
-        _fail(op, "cache", "contiguous (pages of FP8 rows, then their scales)",
-              f"{_describe(cache)} with strides {cache.stride()}")
+        _fail(
+            op,
+            "cache",
+            "contiguous (pages of FP8 rows, then their scales)",
+            f"{_describe(cache)} with strides {cache.stride()}",
+        )
     pages, row = cache.shape[0], int(cache.shape[-1])  # the page count stays symbolic under torch.compile
     if cache.dim() > 2:
         page, d = int(cache.shape[1]), row - INDEX_SCALE_BYTES
         if dim is not None and d != dim:
             _fail(op, "cache", f"rows of D + 4 = {dim + INDEX_SCALE_BYTES} bytes for D = {dim}", cache)
     elif dim is None:
-        _fail(op, "cache", "[P, page, D + 4] or [P, page, 1, D + 4] when head_dim is not given (a 2-d cache "
-              "does not say its page size)", cache)
+        _fail(
+            op,
+            "cache",
+            "[P, page, D + 4] or [P, page, 1, D + 4] when head_dim is not given (a 2-d cache "
+            "does not say its page size)",
+            cache,
+        )
     else:
         d = dim
         if row % (d + INDEX_SCALE_BYTES):
-            _fail(op, "cache", f"[P, page * (D + 4)] with D = {d}: a whole number of {d + INDEX_SCALE_BYTES}-byte "
-                  "tokens per page", cache)
+            _fail(
+                op,
+                "cache",
+                f"[P, page * (D + 4)] with D = {d}: a whole number of {d + INDEX_SCALE_BYTES}-byte tokens per page",
+                cache,
+            )
         page = row // (d + INDEX_SCALE_BYTES)
     if d <= 0 or d % INDEX_DIM_MULTIPLE or page == 0:
-        _fail(op, "cache", f"pages of at least one token of D + 4 bytes, D a positive multiple of "
-              f"{INDEX_DIM_MULTIPLE}", cache)
+        _fail(
+            op,
+            "cache",
+            f"pages of at least one token of D + 4 bytes, D a positive multiple of {INDEX_DIM_MULTIPLE}",
+            cache,
+        )
     return IndexCache(pages, page, d)
 
 
@@ -664,8 +707,9 @@ def _fake_index_logits(none, q, k, k_scale, weights, ks, ke):
     return q.new_empty((q.shape[0], k.shape[0]), dtype=torch.float32)
 
 
-@_declare("(Tensor q, Tensor cache, Tensor weights, Tensor lengths, Tensor page_table) -> Tensor",
-          check_paged_index_logits)
+@_declare(
+    "(Tensor q, Tensor cache, Tensor weights, Tensor lengths, Tensor page_table) -> Tensor", check_paged_index_logits
+)
 def _fake_paged_index_logits(layout, q, cache, weights, lengths, page_table):
     return q.new_empty((q.shape[0] * q.shape[1], page_table.shape[1] * layout.page), dtype=torch.float32)
 
@@ -794,8 +838,9 @@ class TopkArgs:
     paged: bool
 
 
-def check_topk(logits, lengths, k, starts=None, page_table=None, row_request=None, page_size=64,
-               out_width=None) -> TopkArgs:
+def check_topk(
+    logits, lengths, k, starts=None, page_table=None, row_request=None, page_size=64, out_width=None
+) -> TopkArgs:
     op = "topk"
     logits = _tensor(op, "logits", logits, (torch.float32,), (2,))
     rows, dev = logits.shape[0], logits.device  # symbolic under torch.compile: no int(), no specialization
@@ -820,10 +865,12 @@ def check_topk(logits, lengths, k, starts=None, page_table=None, row_request=Non
     return TopkArgs(k, out_width or k, True)
 
 
-@_declare("(Tensor logits, Tensor lengths, int k, Tensor? starts=None, Tensor? page_table=None, "
-          "Tensor? row_request=None, int page_size=64, int? out_width=None) -> Tensor", check_topk)
-def _fake_topk(args, logits, lengths, k, starts=None, page_table=None, row_request=None, page_size=64,
-               out_width=None):
+@_declare(
+    "(Tensor logits, Tensor lengths, int k, Tensor? starts=None, Tensor? page_table=None, "
+    "Tensor? row_request=None, int page_size=64, int? out_width=None) -> Tensor",
+    check_topk,
+)
+def _fake_topk(args, logits, lengths, k, starts=None, page_table=None, row_request=None, page_size=64, out_width=None):
     return logits.new_empty((logits.shape[0], args.width), dtype=torch.int32)
 
 

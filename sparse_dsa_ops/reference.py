@@ -466,8 +466,9 @@ def topk(
     and stored as int32. Exact: a stable sort of an integer key.
     """
     num_rows, width = logits.shape
-    out = torch.full((num_rows, k if out_width is None else out_width), -1, dtype=torch.int32,
-                     device=logits.device)  # [R, W']
+    out = torch.full(
+        (num_rows, k if out_width is None else out_width), -1, dtype=torch.int32, device=logits.device
+    )  # [R, W']
     if num_rows == 0 or width == 0:
         return out
     take = min(k, width)
@@ -476,8 +477,9 @@ def topk(
     rank = torch.arange(take, device=logits.device)  # [K]
     for r0 in range(0, num_rows, chunk):
         r1 = min(r0 + chunk, num_rows)
-        start = (torch.zeros(r1 - r0, dtype=torch.int64, device=logits.device) if starts is None
-                 else starts[r0:r1].long()).unsqueeze(-1)  # [r, 1]
+        start = (
+            torch.zeros(r1 - r0, dtype=torch.int64, device=logits.device) if starts is None else starts[r0:r1].long()
+        ).unsqueeze(-1)  # [r, 1]
         stop = start + lengths[r0:r1].long().unsqueeze(-1)  # [r, 1], int64: no int32 overflow
         candidate = (column >= start) & (column < stop)  # [r, W]
         key = torch.where(candidate, _order_key(logits[r0:r1]), _NOT_A_CANDIDATE)  # [r, W] int32

@@ -29,8 +29,9 @@ from csrc_tl.sparse_attn.launch import (
 from csrc_tl.sparse_attn.plan import DEFAULT_CTAS, WS_NREG
 
 
-def geometry(kind: str, d_v: int, d_rope: int, heads: int = 64, q_fp8: bool = False,
-             has_len: bool = False) -> AttnGeometry:
+def geometry(
+    kind: str, d_v: int, d_rope: int, heads: int = 64, q_fp8: bool = False, has_len: bool = False
+) -> AttnGeometry:
     return AttnGeometry(d_v, d_rope, heads, kind, has_len, (d_v + d_rope) ** -0.5, q_fp8)
 
 
@@ -45,8 +46,19 @@ class Case(NamedTuple):
         return f"{'decode' if self.split else 'prefill'}-{self.geo}"
 
 
-FLAGS = ("copies_async", "staged", "inplace", "paired", "p0_in_tail", "halves", "wg1_widens", "persist", "quarters",
-         "bulk", "calls_widen")
+FLAGS = (
+    "copies_async",
+    "staged",
+    "inplace",
+    "paired",
+    "p0_in_tail",
+    "halves",
+    "wg1_widens",
+    "persist",
+    "quarters",
+    "bulk",
+    "calls_widen",
+)
 
 
 def case(geo, split, scheme, block_i, *flags):
@@ -57,25 +69,43 @@ def case(geo, split, scheme, block_i, *flags):
 CASES = [
     # DeepSeek bf16 rows (576 wide): paired consumers over stage halves, 64-row blocks (FlashMLA's pipeline)
     case(geometry("bf16", 512, 64), False, ("paired", 1), 64, "copies_async", "paired", "p0_in_tail", "halves"),
-    case(geometry("bf16", 512, 64, heads=1), False, ("paired", 1), 64, "copies_async", "paired", "p0_in_tail",
-         "halves"),
+    case(
+        geometry("bf16", 512, 64, heads=1), False, ("paired", 1), 64, "copies_async", "paired", "p0_in_tail", "halves"
+    ),
     # its decode: one consumer scores every block
     case(geometry("bf16", 512, 64), True, ("single", 1), 64, "copies_async"),
     # GLM bf16 rows: paired over whole 128-row stages
     case(geometry("bf16", 256, 0), False, ("paired", 1), 128, "copies_async", "paired"),
     # GLM packed rows: staged, bulk-copied by the TMA unit, persistent, two producers
     case(geometry("packed", 256, 0), False, ("single", 2), 128, "staged", "persist", "quarters", "bulk"),
-    case(geometry("packed", 256, 0, heads=8, has_len=True), False, ("single", 2), 128, "staged", "persist",
-         "quarters", "bulk"),
+    case(
+        geometry("packed", 256, 0, heads=8, has_len=True),
+        False,
+        ("single", 2),
+        128,
+        "staged",
+        "persist",
+        "quarters",
+        "bulk",
+    ),
     # ... whose decode keeps cp.async copies and one CTA per item
     case(geometry("packed", 256, 0, heads=8), True, ("single", 2), 64, "staged", "quarters"),
     # GLM native FP8 rows: staged and widened through dsa_widen
     case(geometry("fp8", 256, 0, q_fp8=True), False, ("single", 2), 128, "staged", "quarters", "calls_widen"),
     # DeepSeek packed rows: in place, consumer warpgroup 1 widens the last pass of each block
-    case(geometry("packed", 512, 64), False, ("inplace_wg1", 1), 64, "inplace", "wg1_widens", "quarters",
-         "calls_widen"),
-    case(geometry("packed", 512, 64, heads=128), True, ("inplace_wg1", 1), 64, "inplace", "wg1_widens", "quarters",
-         "calls_widen"),
+    case(
+        geometry("packed", 512, 64), False, ("inplace_wg1", 1), 64, "inplace", "wg1_widens", "quarters", "calls_widen"
+    ),
+    case(
+        geometry("packed", 512, 64, heads=128),
+        True,
+        ("inplace_wg1", 1),
+        64,
+        "inplace",
+        "wg1_widens",
+        "quarters",
+        "calls_widen",
+    ),
     # packed 512+0 decode: in place without warpgroup 1's pass
     case(geometry("packed", 512, 0), True, ("inplace", 1), 64, "inplace", "quarters", "calls_widen"),
     # DeepSeek native FP8 rows: in place (unpacked rows: no wg1 pass)
@@ -136,9 +166,17 @@ def test_plan_overrides():
         ws_plan(geometry("bf16", 256, 0), split=True, block_i=128)
 
 
-@pytest.mark.parametrize("geo, ok", [
-    (geometry("bf16", 384, 0), True), (geometry("fp8", 384, 0), False), (geometry("bf16", 192, 64), False),
-    (geometry("packed", 512, 32), False), (geometry("fp8", 512, 0), True)], ids=lambda v: str(v))
+@pytest.mark.parametrize(
+    "geo, ok",
+    [
+        (geometry("bf16", 384, 0), True),
+        (geometry("fp8", 384, 0), False),
+        (geometry("bf16", 192, 64), False),
+        (geometry("packed", 512, 32), False),
+        (geometry("fp8", 512, 0), True),
+    ],
+    ids=lambda v: str(v),
+)
 def test_ws_supported(geo, ok):
     assert ws_supported(geo) is ok
     if not ok:
@@ -167,9 +205,9 @@ def test_prelude(c: Case):
     assert ("dsa_cp_async(" in text) == (plan.inplace or plan.halves or plan.bulk)
 
 
-
 # ----------------------------------------------------------------------------------------------
 # The launch plan of a call.
+
 
 def launch_id(v) -> str:
     if isinstance(v, bool):
@@ -184,39 +222,87 @@ WS_KERNELS_64 = AttnKernels(WARP_SPECIALIZED, 0, WARP_SPECIALIZED, 64, pdl=True)
 PERSISTENT_132 = AttnKernels(PERSISTENT, 132, WARP_SPECIALIZED, 64, pdl=True)
 
 
-@pytest.mark.parametrize("geo, tokens, topk, sm_count, sm90, want", [
-    # the persistent GLM packed prefill: 31 whole rounds of 132 items, the last 4 tokens in 16 splits of 2 blocks
-    (GLM_PACKED, 4096, 2048, 132, True, AttnLaunch(PERSISTENT_132, 4096, 4092, 16)),
-    # ... its whole rounds alone, and items too short to split off
-    (GLM_PACKED, 4092, 2048, 132, True, AttnLaunch(PERSISTENT_132, 4092, 4092)),
-    (GLM_PACKED, 4096, 512, 132, True, AttnLaunch(PERSISTENT_132, 4096, 4096)),
-    # on 78 SMs the persistent grid is 78 CTAs: 52 rounds take 4056 tokens, and the last 40 fill over half the SMs,
-    # so the split path would not split them: the prefill takes them all
-    (GLM_PACKED, 4096, 2048, 78, True, AttnLaunch(dataclasses.replace(PERSISTENT_132, ctas=78), 4096, 4096)),
-    # decode T 1: the warp-specialized split kernel keeps two blocks per split, the portable one takes one
-    (geometry("bf16", 256, 0), 1, 2048, 132, True, AttnLaunch(WS_KERNELS_64, 1, 0, 16)),
-    (geometry("bf16", 256, 0), 1, 2048, 132, False,
-     AttnLaunch(AttnKernels(PORTABLE, 0, PORTABLE, 64, pdl=False), 1, 0, 32)),
-    # a 16-head shard: the warp-specialized split kernel's partials have a whole 64-head block, the portable one's 16
-    (geometry("packed", 512, 0, heads=16), 1, 2048, 132, True,
-     AttnLaunch(AttnKernels(WARP_SPECIALIZED, 0, WARP_SPECIALIZED, 64, True), 1, 0, 16)),
-    (geometry("packed", 512, 0, heads=16), 1, 2048, 132, False,
-     AttnLaunch(AttnKernels(PORTABLE, 0, PORTABLE, 16, False), 1, 0, 32)),
-    # DeepSeek: T 17 at 128 heads is 34 items (3 splits), T 256 fills the GPU; one CTA per item, no tail
-    (geometry("packed", 512, 64, heads=128), 17, 2048, 132, True,
-     AttnLaunch(dataclasses.replace(WS_KERNELS_64, partial_heads=128), 17, 0, 3)),
-    (geometry("packed", 512, 64, heads=128), 256, 2048, 132, True,
-     AttnLaunch(dataclasses.replace(WS_KERNELS_64, partial_heads=128), 256, 256)),
-    (geometry("bf16", 512, 64, heads=128), 4100, 2048, 132, True,
-     AttnLaunch(dataclasses.replace(WS_KERNELS_64, partial_heads=128), 4100, 4100)),
-], ids=lambda v: launch_id(v))
+@pytest.mark.parametrize(
+    "geo, tokens, topk, sm_count, sm90, want",
+    [
+        # the persistent GLM packed prefill: 31 whole rounds of 132 items, the last 4 tokens in 16 splits of 2 blocks
+        (GLM_PACKED, 4096, 2048, 132, True, AttnLaunch(PERSISTENT_132, 4096, 4092, 16)),
+        # ... its whole rounds alone, and items too short to split off
+        (GLM_PACKED, 4092, 2048, 132, True, AttnLaunch(PERSISTENT_132, 4092, 4092)),
+        (GLM_PACKED, 4096, 512, 132, True, AttnLaunch(PERSISTENT_132, 4096, 4096)),
+        # on 78 SMs the persistent grid is 78 CTAs: 52 rounds take 4056 tokens, and the last 40 fill over half the SMs,
+        # so the split path would not split them: the prefill takes them all
+        (GLM_PACKED, 4096, 2048, 78, True, AttnLaunch(dataclasses.replace(PERSISTENT_132, ctas=78), 4096, 4096)),
+        # decode T 1: the warp-specialized split kernel keeps two blocks per split, the portable one takes one
+        (geometry("bf16", 256, 0), 1, 2048, 132, True, AttnLaunch(WS_KERNELS_64, 1, 0, 16)),
+        (
+            geometry("bf16", 256, 0),
+            1,
+            2048,
+            132,
+            False,
+            AttnLaunch(AttnKernels(PORTABLE, 0, PORTABLE, 64, pdl=False), 1, 0, 32),
+        ),
+        # a 16-head shard: the warp-specialized split kernel's partials have a whole 64-head block, the portable
+        # one's 16
+        (
+            geometry("packed", 512, 0, heads=16),
+            1,
+            2048,
+            132,
+            True,
+            AttnLaunch(AttnKernels(WARP_SPECIALIZED, 0, WARP_SPECIALIZED, 64, True), 1, 0, 16),
+        ),
+        (
+            geometry("packed", 512, 0, heads=16),
+            1,
+            2048,
+            132,
+            False,
+            AttnLaunch(AttnKernels(PORTABLE, 0, PORTABLE, 16, False), 1, 0, 32),
+        ),
+        # DeepSeek: T 17 at 128 heads is 34 items (3 splits), T 256 fills the GPU; one CTA per item, no tail
+        (
+            geometry("packed", 512, 64, heads=128),
+            17,
+            2048,
+            132,
+            True,
+            AttnLaunch(dataclasses.replace(WS_KERNELS_64, partial_heads=128), 17, 0, 3),
+        ),
+        (
+            geometry("packed", 512, 64, heads=128),
+            256,
+            2048,
+            132,
+            True,
+            AttnLaunch(dataclasses.replace(WS_KERNELS_64, partial_heads=128), 256, 256),
+        ),
+        (
+            geometry("bf16", 512, 64, heads=128),
+            4100,
+            2048,
+            132,
+            True,
+            AttnLaunch(dataclasses.replace(WS_KERNELS_64, partial_heads=128), 4100, 4100),
+        ),
+    ],
+    ids=lambda v: launch_id(v),
+)
 def test_launch_plan(geo, tokens, topk, sm_count, sm90, want):
     assert plan_launch(geo, tokens, topk, sm_count, sm90) == want
 
 
-GRID = list(itertools.product(
-    [("bf16", False), ("fp8", True), ("packed", False)], [(512, 64), (512, 0), (256, 0), (384, 0)],
-    [1, 8, 16, 64, 128], [1, 2, 17, 64, 256, 4092, 4096, 4100, 8192], [512, 2048, 2112], [132, 78]))
+GRID = list(
+    itertools.product(
+        [("bf16", False), ("fp8", True), ("packed", False)],
+        [(512, 64), (512, 0), (256, 0), (384, 0)],
+        [1, 8, 16, 64, 128],
+        [1, 2, 17, 64, 256, 4092, 4096, 4100, 8192],
+        [512, 2048, 2112],
+        [132, 78],
+    )
+)
 
 
 @pytest.mark.parametrize("sm90", [True, False], ids=["sm90", "other"])
@@ -284,22 +370,25 @@ def test_backend_plan_is_the_launch_plan():
         assert (plan.tokens, plan.prefill_tokens, plan.splits) == (tokens, launch.prefill_tokens, launch.splits)
         prefill = {PORTABLE: "attn_prefill", WARP_SPECIALIZED: "attn_prefill_ws", PERSISTENT: "attn_prefill_ws"}
         if launch.prefill_tokens:
-            ctas = (launch.kernels.ctas,) if launch.kernels.prefill == PERSISTENT else ()
-            assert (plan.prefill.family, plan.prefill.flags) == (prefill[launch.kernels.prefill], ctas)
-            assert plan.prefill.spec == GLM_PACKED
+            ctas = launch.kernels.ctas if launch.kernels.prefill == PERSISTENT else 0
+            assert (plan.prefill.family, plan.prefill.ctas) == (prefill[launch.kernels.prefill], ctas)
+            assert plan.prefill.geo == GLM_PACKED
         else:
             assert plan.prefill is None
         if launch.split_tokens:
             split, combine = plan.split
             assert split.family == ("attn_decode_ws" if launch.kernels.split == WARP_SPECIALIZED else "attn_decode")
-            assert combine.spec == (256, 64, launch.kernels.partial_heads) == (256, 64, plan.partial_heads)
-            assert combine.flags == (("pdl",) if launch.kernels.pdl else ())
+            assert (combine.d_v, combine.heads) == (256, 64)
+            assert combine.partial_heads == launch.kernels.partial_heads == plan.partial_heads
+            assert combine.pdl == launch.kernels.pdl
         else:
             assert plan.split == ()
 
 
-IMPORTS = "import sys, csrc_tl.sparse_attn.launch; print(' '.join(sorted(m for m in ('torch', 'sparse_dsa_ops', " \
-          "'tilelang') if m in sys.modules)))"
+IMPORTS = (
+    "import sys, csrc_tl.sparse_attn.launch; print(' '.join(sorted(m for m in ('torch', 'sparse_dsa_ops', "
+    "'tilelang') if m in sys.modules)))"
+)
 
 
 def test_launch_plan_imports_no_backend():

@@ -11,8 +11,17 @@ def test_check_prints_every_op_on_the_cpu():
     assert run.returncode == 0, run.stderr
     out = run.stdout
     assert "torch" in out and "tilelang" in out and "device" in out
-    for op in ("quant_k_cache", "store_k_cache", "dequant_k_cache", "gather_k_cache", "gather_dequant_k_cache",
-               "sparse_attn bf16", "sparse_attn packed", "sparse_attn fp8", "sparse_attn T2 packed"):
+    for op in (
+        "quant_k_cache",
+        "store_k_cache",
+        "dequant_k_cache",
+        "gather_k_cache",
+        "gather_dequant_k_cache",
+        "sparse_attn bf16",
+        "sparse_attn packed",
+        "sparse_attn fp8",
+        "sparse_attn T2 packed",
+    ):
         rows = [line for line in out.splitlines() if line.startswith(op + " ")]
         assert len(rows) == 2 and " deepseek " in rows[0] and " glm " in rows[1], rows
     assert "18 of 18 ok" in out and "FAIL" not in out and "ERROR" not in out
@@ -54,11 +63,11 @@ def _cases() -> dict[str, dict]:
 def _named_by_path(case: dict) -> bool:
     """Whether ``case``'s path names the kernels of its keys: the families of the K-cache and attention kernels, the
     indexer kernel's own name, the top-k kernels by how many CTAs take a row."""
-    from csrc_tl import index, topk
-    from sparse_dsa_ops import _cuda
+    from csrc_tl import index, k_cache, topk
+    from csrc_tl.sparse_attn.keys import AttnKey, CombineKey
 
     keys, path = case["keys"], case["path"]
-    if all(isinstance(k, _cuda.KernelKey) for k in keys):
+    if all(isinstance(k, (AttnKey, CombineKey, k_cache.CacheKey)) for k in keys):
         return path.startswith(keys[0].family) and all(k.family in path for k in keys)
     if all(isinstance(k, (index.QuantIndexKey, index.IndexLogitsKey, index.PagedLogitsKey)) for k in keys):
         return len(keys) == 1 and path == keys[0].name
@@ -126,9 +135,12 @@ def test_every_target_names_a_bench_case(h200):
     want |= {f"{op} 1M rows": COPY for op in ("quant_index", "store_index_k")}
     want |= {f"{op} 16 rows": ("<=", 3.0, "us") for op in ("quant_index", "store_index_k")}
     # top-k 2048 of 128K: one row in 12 us, four in 25 us, many rows at 70% of the copy
-    want |= {"topk k2048 of 128K, 1 rows": ("<=", 12.0, "us"), "topk k2048 of 128K, 4 rows": ("<=", 25.0, "us"),
-             "topk k2048 of 128K, 64 rows": (">=", 0.70, "of copy"),
-             "topk k2048 of 64K, 4096 rows causal": (">=", 0.70, "of copy")}
+    want |= {
+        "topk k2048 of 128K, 1 rows": ("<=", 12.0, "us"),
+        "topk k2048 of 128K, 4 rows": ("<=", 25.0, "us"),
+        "topk k2048 of 128K, 64 rows": (">=", 0.70, "of copy"),
+        "topk k2048 of 64K, 4096 rows causal": (">=", 0.70, "of copy"),
+    }
     assert targets() == want
 
 
@@ -175,13 +187,22 @@ def test_bench_table_and_json_on_the_cpu(monkeypatch, capsys, tmp_path):
     from sparse_dsa_ops import _cuda
 
     pool = torch.zeros(8, 264, dtype=torch.uint8)
-    case = dict(name="gather_k_cache glm 1M rows", op="gather_k_cache", flops=None, bytes=2.6e7, keys=[],
-                path="gather", make=lambda: (pool, torch.arange(4, dtype=torch.int32)), target=(">=", 0.8, "of copy"))
+    case = dict(
+        name="gather_k_cache glm 1M rows",
+        op="gather_k_cache",
+        flops=None,
+        bytes=2.6e7,
+        keys=[],
+        path="gather",
+        make=lambda: (pool, torch.arange(4, dtype=torch.int32)),
+        target=(">=", 0.8, "of copy"),
+    )
     times = iter([10.0, 12.0, 11.0, 13.0])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(cli, "environment", lambda: [("device", "stub")])
-    monkeypatch.setattr(cli, "_ceilings", lambda: {"matmul_tflops": 800.0, "fp8_matmul_tflops": 1300.0,
-                                                   "copy_gbps": 2600.0})
+    monkeypatch.setattr(
+        cli, "_ceilings", lambda: {"matmul_tflops": 800.0, "fp8_matmul_tflops": 1300.0, "copy_gbps": 2600.0}
+    )
     monkeypatch.setattr(cli, "bench_cases", lambda: [case])
     monkeypatch.setattr(cli, "_graph_time_us", lambda fn: (fn(), next(times))[1])
     monkeypatch.setattr(_cuda, "warmup", lambda keys, workers: None)
@@ -190,8 +211,21 @@ def test_bench_table_and_json_on_the_cpu(monkeypatch, capsys, tmp_path):
     header = next(line for line in lines if line.startswith("case"))
     assert header.split() == ["case", "kernels", "us", "range", "(3", "rounds)", "rate", "of", "ceiling", "target"]
     row = lines[-1].split()
-    assert row[-13:] == ["gather", "11.0", "10.0-12.0", "2364", "GB/s", "91%", ">=", "80%", "of", "copy:", "met",
-                         "by", "13.6%"]
+    assert row[-13:] == [
+        "gather",
+        "11.0",
+        "10.0-12.0",
+        "2364",
+        "GB/s",
+        "91%",
+        ">=",
+        "80%",
+        "of",
+        "copy:",
+        "met",
+        "by",
+        "13.6%",
+    ]
     record = json.loads((tmp_path / "b.json").read_text())["rows"][0]
     assert record["us"] == 11.0 and record["us_rounds"] == [10.0, 12.0, 11.0] and record["target"].endswith("13.6%")
     # one round (the default): no range column

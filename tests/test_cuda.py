@@ -12,6 +12,7 @@ import torch
 
 import sparse_dsa_ops as dsa
 from csrc_tl.sparse_attn import partial_heads
+from csrc_tl.sparse_attn.keys import CombineKey
 from sparse_dsa_ops import KCacheLayout, reference
 from tests.oracle import INT_MAX, INT_MIN, hostile_indices, unselected_slots
 
@@ -25,25 +26,50 @@ GLM, DEEPSEEK = (256, 0, 64), (512, 64, 128)
 # their head block on sm_90; the portable kernels run there for FP8 rows of 384 (not whole 16-value
 # chunks per producer thread) and bf16 rows of 192 + 64. 512+0 packed: the 528-byte row, widened in place
 # without a tail
-ATTN_GEOS = [GLM, DEEPSEEK, (512, 64, 16), (256, 64, 64), (256, 0, 1), (256, 0, 8), (256, 0, 16), (256, 0, 128),
-             (384, 0, 16), (192, 64, 8), (512, 0, 16)]
+ATTN_GEOS = [
+    GLM,
+    DEEPSEEK,
+    (512, 64, 16),
+    (256, 64, 64),
+    (256, 0, 1),
+    (256, 0, 8),
+    (256, 0, 16),
+    (256, 0, 128),
+    (384, 0, 16),
+    (192, 64, 8),
+    (512, 0, 16),
+]
 # kv kinds: "fp8" is native float8_e4m3fn kv with float8 q, "fp8-kv" the same kv with bf16 q, "packed-q8"
 # a packed pool with float8 q
 ALL_KINDS = ("bf16", "packed", "fp8", "fp8-kv", "packed-q8")
 # (packed rows at 8 heads: GLM's tensor-parallel shard of 8; a packed row needs d_v a multiple of 128)
 THREE = ("bf16", "packed", "fp8")
-ATTN_KINDS = {GLM: ALL_KINDS, DEEPSEEK: ALL_KINDS, (512, 64, 16): THREE, (256, 64, 64): THREE,
-              (256, 0, 1): ("bf16", "fp8"), (256, 0, 8): THREE, (256, 0, 16): ("bf16", "fp8"),
-              (256, 0, 128): ("bf16", "fp8"), (384, 0, 16): THREE, (192, 64, 8): ("bf16",),
-              (512, 0, 16): ("packed",)}
+ATTN_KINDS = {
+    GLM: ALL_KINDS,
+    DEEPSEEK: ALL_KINDS,
+    (512, 64, 16): THREE,
+    (256, 64, 64): THREE,
+    (256, 0, 1): ("bf16", "fp8"),
+    (256, 0, 8): THREE,
+    (256, 0, 16): ("bf16", "fp8"),
+    (256, 0, 128): ("bf16", "fp8"),
+    (384, 0, 16): THREE,
+    (192, 64, 8): ("bf16",),
+    (512, 0, 16): ("packed",),
+}
 assert list(ATTN_KINDS) == ATTN_GEOS
 ATTN_CASES = [(geo, kind) for geo in ATTN_GEOS for kind in ATTN_KINDS[geo]]
 
 
 def kernel_kind(kind):
     """(kv kind, q is float8) of a test kind."""
-    return {"bf16": ("bf16", False), "packed": ("packed", False), "fp8": ("fp8", True), "fp8-kv": ("fp8", False),
-            "packed-q8": ("packed", True)}[kind]
+    return {
+        "bf16": ("bf16", False),
+        "packed": ("packed", False),
+        "fp8": ("fp8", True),
+        "fp8-kv": ("fp8", False),
+        "packed-q8": ("packed", True),
+    }[kind]
 
 
 def attn_suite_keys(target=None):
@@ -53,13 +79,20 @@ def attn_suite_keys(target=None):
     for d_v, d_rope, heads in ATTN_GEOS:
         for kind in ATTN_KINDS[d_v, d_rope, heads]:
             kv_kind, q_fp8 = kernel_kind(kind)
-            keys += dsa._cuda.attn_keys(kv_kind, d_v, d_rope, heads, (d_v + d_rope) ** -0.5, False, target=target,
-                                        q_fp8=q_fp8)
-    for (d_v, d_rope, heads), kind in [(DEEPSEEK, "bf16"), (DEEPSEEK, "packed"), (DEEPSEEK, "fp8"), (GLM, "packed"),
-                                       (GLM, "fp8")]:
+            keys += dsa._cuda.attn_keys(
+                kv_kind, d_v, d_rope, heads, (d_v + d_rope) ** -0.5, False, target=target, q_fp8=q_fp8
+            )
+    for (d_v, d_rope, heads), kind in [
+        (DEEPSEEK, "bf16"),
+        (DEEPSEEK, "packed"),
+        (DEEPSEEK, "fp8"),
+        (GLM, "packed"),
+        (GLM, "fp8"),
+    ]:
         kv_kind, q_fp8 = kernel_kind(kind)
-        keys += dsa._cuda.attn_keys(kv_kind, d_v, d_rope, heads, (d_v + d_rope) ** -0.5, True, target=target,
-                                    q_fp8=q_fp8)
+        keys += dsa._cuda.attn_keys(
+            kv_kind, d_v, d_rope, heads, (d_v + d_rope) ** -0.5, True, target=target, q_fp8=q_fp8
+        )
     return list(dict.fromkeys(keys))
 
 
@@ -90,7 +123,7 @@ def at_offset(x: torch.Tensor, offset: int) -> torch.Tensor:
     n = x.numel() * x.element_size()
     raw = torch.empty(n + 64, dtype=torch.uint8, device=x.device)
     start = (-raw.data_ptr()) % 16 + offset
-    view = raw[start:start + n].view(x.dtype).view(x.shape)
+    view = raw[start : start + n].view(x.dtype).view(x.shape)
     view.copy_(x)
     assert view.data_ptr() % 16 == offset
     return view
@@ -102,8 +135,11 @@ def gen(seed=0):
 
 def make_k(g, n, lay, magnitude=1.0):
     k = torch.randn(n, lay.d_nope, generator=g) * magnitude
-    k *= torch.exp2(torch.randint(-6, 6, (n, lay.num_scales, 1), generator=g).float()).repeat_interleave(
-        128, dim=1).reshape(n, -1)
+    k *= (
+        torch.exp2(torch.randint(-6, 6, (n, lay.num_scales, 1), generator=g).float())
+        .repeat_interleave(128, dim=1)
+        .reshape(n, -1)
+    )
     k[0, :128] = 0
     k[-1] = 0
     r = torch.randn(n, lay.d_rope, generator=g).bfloat16() if lay.d_rope else None
@@ -149,8 +185,11 @@ def test_store_sentinels(lay, round_scale):
     assert torch.equal(got.cpu(), want)
 
 
-@pytest.mark.parametrize("lay", [KCacheLayout(384, 2), KCacheLayout(256, 2), KCacheLayout(384, 0), KCacheLayout(128, 0),
-                                 KCacheLayout(1024, 130)], ids=str)
+@pytest.mark.parametrize(
+    "lay",
+    [KCacheLayout(384, 2), KCacheLayout(256, 2), KCacheLayout(384, 0), KCacheLayout(128, 0), KCacheLayout(1024, 130)],
+    ids=str,
+)
 def test_quant_and_store_other_widths(lay):
     # rows the inferable layouts do not cover: 8-byte stores with an odd number of tiles (384+2: the last
     # pass has one tile for two), 4-byte stores (rows of 268, 396 and 132 bytes), a tail of more than one step
@@ -182,8 +221,9 @@ def test_gathers(lay, slot_dtype):
     ids = ids.to(slot_dtype)
     poison_allocator()
     assert torch.equal(dsa.gather_k_cache(pool.cuda(), ids.cuda()).cpu(), reference.gather_k_cache(pool, ids))
-    assert torch.equal(dsa.gather_dequant_k_cache(pool.cuda(), ids.cuda()).cpu(),
-                       reference.gather_dequant_k_cache(pool, ids))
+    assert torch.equal(
+        dsa.gather_dequant_k_cache(pool.cuda(), ids.cuda()).cpu(), reference.gather_dequant_k_cache(pool, ids)
+    )
 
 
 @pytest.mark.parametrize("n", [1, 1 << 20], ids=["1-row", "1M-rows"])
@@ -267,7 +307,8 @@ def check_attn(got, want):
     (out, lse), (ref_out, ref_lse) = got, want
     out, lse = out.cpu(), lse.cpu()
     assert not out.isnan().any() and not lse.isnan().any(), (
-        f"NaN in out at {out.isnan().sum().item()} values, in lse at {lse.isnan().sum().item()}")
+        f"NaN in out at {out.isnan().sum().item()} values, in lse at {lse.isnan().sum().item()}"
+    )
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), "lse is -inf on other rows than the reference's"
     assert (out[torch.isinf(ref_lse)] == 0).all(), "out is not 0 on rows with nothing valid"
     fin = ~torch.isinf(ref_lse)
@@ -295,12 +336,21 @@ def run_both(inputs, topk_length=None):
 # (d_v, heads, splits, ws) of the combine: several heads per block (256, 64 wide), one head in a block
 # with a partial second column vector (1088), splits in one chunk, over a chunk and in several chunks;
 # ws: partials with the 64-row head blocks of the warp-specialized split kernel (8 heads: padded)
-COMBINE_CASES = [(256, 64, 7, True), (256, 64, 16, True), (512, 128, 17, True), (1088, 3, 40, False), (64, 5, 1, False),
-                 (256, 8, 7, True)]
+COMBINE_CASES = [
+    (256, 64, 7, True),
+    (256, 64, 16, True),
+    (512, 128, 17, True),
+    (1088, 3, 40, False),
+    (64, 5, 1, False),
+    (256, 8, 7, True),
+]
 
 
-@pytest.mark.parametrize("d_v, heads, splits, ws", COMBINE_CASES,
-                         ids=[f"dv{d}-h{h}-ns{n}{'-ws' if w else ''}" for d, h, n, w in COMBINE_CASES])
+@pytest.mark.parametrize(
+    "d_v, heads, splits, ws",
+    COMBINE_CASES,
+    ids=[f"dv{d}-h{h}-ns{n}{'-ws' if w else ''}" for d, h, n, w in COMBINE_CASES],
+)
 def test_combine_against_float64(d_v, heads, splits, ws):
     # the split partials of 5 tokens: the first split of every token empty, token 1 empty in every split,
     # token 2 non-empty only in the last split (so the running max starts at -inf chunk after chunk);
@@ -322,7 +372,7 @@ def test_combine_against_float64(d_v, heads, splits, ws):
     total = weight.sum(dim=1)  # [T, H]
     want_out = (weight[..., None] * part_out[:, :, :heads].double()).sum(dim=1) / total.clamp_min(1e-300)[..., None]
     want_lse = torch.where(total > 0, top[:, 0] + total.log(), -math.inf)
-    key = dsa._cuda.KernelKey("combine", (d_v, heads, padded))
+    key = CombineKey(d_v, heads, padded)
     dsa._cuda.warmup([key], progress=False)
     poison_allocator()
     out = torch.empty(t_count, heads, d_v, dtype=torch.bfloat16, device="cuda")
@@ -336,8 +386,9 @@ def test_combine_against_float64(d_v, heads, splits, ws):
 
 
 @pytest.mark.parametrize("kind", ["bf16", "packed", "fp8"])
-@pytest.mark.parametrize("topk, pad_from", [(2048, None), (2112, None), (2112, 2051)], ids=["k2048", "k2112",
-                                                                                             "2051-valid"])
+@pytest.mark.parametrize(
+    "topk, pad_from", [(2048, None), (2112, None), (2112, 2051)], ids=["k2048", "k2112", "2051-valid"]
+)
 @pytest.mark.parametrize("t_count", [1, 8, 17])
 def test_glm_decode_coverage(kind, t_count, topk, pad_from):
     got, want = run_both(attn_inputs(GLM, kind, t_count, topk, pad_from=pad_from))
@@ -352,8 +403,9 @@ def test_glm_prefill_partial_last_block(kind):
 
 
 @pytest.mark.parametrize("geo, kind", ATTN_CASES, ids=[f"{g[0]}+{g[1]}-h{g[2]}-{k}" for g, k in ATTN_CASES])
-@pytest.mark.parametrize("t_count, topk", [(3, 256), (24, 1024), (300, 256)],
-                         ids=["decode", "decode-long-splits", "prefill"])
+@pytest.mark.parametrize(
+    "t_count, topk", [(3, 256), (24, 1024), (300, 256)], ids=["decode", "decode-long-splits", "prefill"]
+)
 def test_geometries(geo, kind, t_count, topk):
     # 3 tokens of 256: splits of two top-k blocks (one where the portable split kernel runs);
     # 24 tokens of 1024: splits of 4 or more blocks
@@ -435,8 +487,7 @@ def test_misaligned_views():
 
 @pytest.mark.parametrize("kind", ["bf16", "fp8"])
 def test_repeatable_bit_for_bit(kind):
-    q, kv, idx, s, d_v = [x.cuda() if isinstance(x, torch.Tensor) else x for x in attn_inputs(DEEPSEEK, kind, 9,
-                                                                                              2048)]
+    q, kv, idx, s, d_v = [x.cuda() if isinstance(x, torch.Tensor) else x for x in attn_inputs(DEEPSEEK, kind, 9, 2048)]
     first = dsa.sparse_attn(q, kv, idx, s, d_v)
     for _ in range(3):
         again = dsa.sparse_attn(q, kv, idx, s, d_v)
@@ -516,12 +567,21 @@ def test_torch_compile_decode_step():
 
 def test_empty_inputs_launch_nothing():
     q = torch.randn(0, 64, 256, dtype=torch.bfloat16, device="cuda")
-    out, lse = dsa.sparse_attn(q, torch.zeros(8, 256, dtype=torch.bfloat16, device="cuda"),
-                               torch.zeros(0, 64, dtype=torch.int32, device="cuda"), 0.1, 256)
+    out, lse = dsa.sparse_attn(
+        q,
+        torch.zeros(8, 256, dtype=torch.bfloat16, device="cuda"),
+        torch.zeros(0, 64, dtype=torch.int32, device="cuda"),
+        0.1,
+        256,
+    )
     assert out.shape == (0, 64, 256) and lse.shape == (0, 64)
-    out, lse = dsa.sparse_attn(torch.randn(2, 64, 256, dtype=torch.bfloat16, device="cuda"),
-                               torch.zeros(0, 256, dtype=torch.bfloat16, device="cuda"),
-                               torch.zeros(2, 64, dtype=torch.int32, device="cuda"), 0.1, 256)
+    out, lse = dsa.sparse_attn(
+        torch.randn(2, 64, 256, dtype=torch.bfloat16, device="cuda"),
+        torch.zeros(0, 256, dtype=torch.bfloat16, device="cuda"),
+        torch.zeros(2, 64, dtype=torch.int32, device="cuda"),
+        0.1,
+        256,
+    )
     assert out.eq(0).all() and (lse == -math.inf).all()
 
 

@@ -52,8 +52,18 @@ OUT_TOL = {"cpu": dict(max=2**-7, rms=2**-9), "cuda": dict(max=2**-5, rms=2**-6)
 
 def tiny(config, **changes):
     """``config`` at CPU size: few heads and a small top-k, the real latent rows and indexer head dim."""
-    return replace(config, name=f"{config.name}-tiny", hidden=256, heads=4, q_lora=128, qk_nope=32, v_head=32,
-                   index_heads=4, index_topk=48, **changes)
+    return replace(
+        config,
+        name=f"{config.name}-tiny",
+        hidden=256,
+        heads=4,
+        q_lora=128,
+        qk_nope=32,
+        v_head=32,
+        index_heads=4,
+        index_topk=48,
+        **changes,
+    )
 
 
 CPU_CONFIGS = [
@@ -149,8 +159,9 @@ def run_flow(config, device, seq_lens, backend):
         proj = layer.project(x, positions)
         for b in range(len(seq_lens)):
             history[b].append(rows_of(proj, slice(b, b + 1)))
-            check_request(layer, cache, b, L.cat_projections(history[b]), positions[b : b + 1], y[b : b + 1],
-                          indices[b : b + 1])
+            check_request(
+                layer, cache, b, L.cat_projections(history[b]), positions[b : b + 1], y[b : b + 1], indices[b : b + 1]
+            )
         positions += 1
     return step
 
@@ -200,8 +211,9 @@ def test_layer_against_dense_twin_on_gpu(config):
 
 @pytest.mark.cuda
 def test_bench_layer_runs():
-    figures = L.bench_layer(L.GLM_53_FLASH_TP8, decode_batch=4, decode_context=4096, prefill_tokens=1024, iters=2,
-                            warmup=1)
+    figures = L.bench_layer(
+        L.GLM_53_FLASH_TP8, decode_batch=4, decode_context=4096, prefill_tokens=1024, iters=2, warmup=1
+    )
     assert set(figures) == {"decode", "prefill"}
     for phase, us in figures.items():
         assert {"project", "topk", "sparse_attn", "output", "total", "layer"} <= set(us), phase

@@ -188,8 +188,9 @@ class Prefill:
 
     def __str__(self) -> str:
         flags = [name for name, on in (("sink", self.sink), ("len", self.lengths), ("strided", self.strided)) if on]
-        return "-".join([f"sq{self.s_q}", f"h{self.h_q}", f"{self.d_qk}v{self.d_v}", f"kv{self.s_kv}",
-                         f"k{self.topk}", *flags])
+        return "-".join(
+            [f"sq{self.s_q}", f"h{self.h_q}", f"{self.d_qk}v{self.d_v}", f"kv{self.s_kv}", f"k{self.topk}", *flags]
+        )
 
 
 def prefill_inputs(gen, case: Prefill):
@@ -207,8 +208,7 @@ def prefill_inputs(gen, case: Prefill):
 
 def run_prefill(case: Prefill, q, kv, idx, sink, lengths):
     # called as FlashMLA's test library calls it
-    got = fm.flash_mla_sparse_fwd(q, kv, idx, sm_scale=PREFILL_SCALE, d_v=case.d_v, attn_sink=sink,
-                                  topk_length=lengths)
+    got = fm.flash_mla_sparse_fwd(q, kv, idx, sm_scale=PREFILL_SCALE, d_v=case.d_v, attn_sink=sink, topk_length=lengths)
     want = ref_sparse_attn(q, kv[:, 0].double(), idx[:, 0], PREFILL_SCALE, case.d_v, sink, lengths)
     return got, want
 
@@ -245,14 +245,25 @@ def test_sparse_fwd(gen, case):
 
 
 PREFILL_CUDA = (
-    [Prefill(s_q, h_q, d_qk, s_kv, topk)
-     for d_qk in (512, 576) for h_q in (64, 128, 8, 16) for s_kv, topk in ((128, 128), (1840, 256), (95, 128))
-     for s_q in (1, 62, 213)]
-    + [Prefill(s_q, h_q, d_qk, s_kv, topk, sink=True, lengths=True)
-       for d_qk in (512, 576) for h_q in (64, 128, 8, 16) for s_kv, topk in ((592, 128), (153, 256))
-       for s_q in (62, 213)]
-    + [Prefill(s_q, h_q, 576, s_kv, topk, sink=True, lengths=True, lonely_every=2)
-       for h_q in (64, 128) for s_q, s_kv, topk in ((1, 128, 128), (1234, 4321, 4096), (1024, 32, 2048))]
+    [
+        Prefill(s_q, h_q, d_qk, s_kv, topk)
+        for d_qk in (512, 576)
+        for h_q in (64, 128, 8, 16)
+        for s_kv, topk in ((128, 128), (1840, 256), (95, 128))
+        for s_q in (1, 62, 213)
+    ]
+    + [
+        Prefill(s_q, h_q, d_qk, s_kv, topk, sink=True, lengths=True)
+        for d_qk in (512, 576)
+        for h_q in (64, 128, 8, 16)
+        for s_kv, topk in ((592, 128), (153, 256))
+        for s_q in (62, 213)
+    ]
+    + [
+        Prefill(s_q, h_q, 576, s_kv, topk, sink=True, lengths=True, lonely_every=2)
+        for h_q in (64, 128)
+        for s_q, s_kv, topk in ((1, 128, 128), (1234, 4321, 4096), (1024, 32, 2048))
+    ]
     + [Prefill(213, 16, 576, 592, 100, sink=True, lengths=True, strided=True)]
 )
 
@@ -292,8 +303,11 @@ def test_sparse_fwd_lonely_rows_and_infinite_sinks(gen, device):
     # every convention at once: a lonely row, a row cut to nothing by topk_length, sinks -inf / +inf / finite
     q = torch.randn(3, 3, 576, generator=gen).bfloat16().to(device)
     kv = torch.randn(10, 1, 576, generator=gen).bfloat16().to(device)
-    idx = torch.tensor([[[INT_MIN, -1, 10, INT_MAX] + [-1] * 60], [[1, 2, 3, 4] + [-1] * 60],
-                        [[5, 6, -123456, 7] + [-1] * 60]], dtype=torch.int32, device=device)
+    idx = torch.tensor(
+        [[[INT_MIN, -1, 10, INT_MAX] + [-1] * 60], [[1, 2, 3, 4] + [-1] * 60], [[5, 6, -123456, 7] + [-1] * 60]],
+        dtype=torch.int32,
+        device=device,
+    )
     lengths = torch.tensor([64, 0, 64], dtype=torch.int32, device=device)
     sink = torch.tensor([-math.inf, math.inf, 0.25], device=device)
     out, max_logits, lse = fm.flash_mla_sparse_fwd(q, kv, idx, 0.1, 512, sink, lengths)
@@ -371,10 +385,23 @@ class Decode:
         return max(2, -(-2 * self.topk // self.page)) + 1
 
     def __str__(self) -> str:
-        flags = [name for name, on in (("sink", self.sink), ("len", self.lengths), (f"layers{self.layers}",
-                                                                                     self.layers > 1)) if on]
-        return "-".join([f"b{self.b}", f"sq{self.s_q}", f"h{self.h_q}", f"{self.d_nope}+{self.d_rope}",
-                         f"page{self.page}", f"k{self.topk}", DTYPE_NAMES[self.pool_dtype], *flags])
+        flags = [
+            name
+            for name, on in (("sink", self.sink), ("len", self.lengths), (f"layers{self.layers}", self.layers > 1))
+            if on
+        ]
+        return "-".join(
+            [
+                f"b{self.b}",
+                f"sq{self.s_q}",
+                f"h{self.h_q}",
+                f"{self.d_nope}+{self.d_rope}",
+                f"page{self.page}",
+                f"k{self.topk}",
+                DTYPE_NAMES[self.pool_dtype],
+                *flags,
+            ]
+        )
 
 
 def decode_inputs(gen, case: Decode):
@@ -402,10 +429,13 @@ def ref_decode(case: Decode, q, k_cache, idx, sink, lengths):
     token_lengths = None if lengths is None else lengths.repeat_interleave(case.s_q)
     flat_q = q.reshape(case.b * case.s_q, case.h_q, lay.d_qk)
     scale = lay.d_qk**-0.5  # FlashMLA's default softmax_scale
-    out, _, lse = ref_sparse_attn(flat_q, rows, idx.reshape(case.b * case.s_q, case.topk), scale, lay.d_nope, sink,
-                                  token_lengths)
-    return (out.reshape(case.b, case.s_q, case.h_q, lay.d_nope),
-            lse.reshape(case.b, case.s_q, case.h_q).transpose(1, 2))
+    out, _, lse = ref_sparse_attn(
+        flat_q, rows, idx.reshape(case.b * case.s_q, case.topk), scale, lay.d_nope, sink, token_lengths
+    )
+    return (
+        out.reshape(case.b, case.s_q, case.h_q, lay.d_nope),
+        lse.reshape(case.b, case.s_q, case.h_q).transpose(1, 2),
+    )
 
 
 def run_decode(case: Decode, q, k_cache, idx, sink, lengths, meta=None):
@@ -413,8 +443,9 @@ def run_decode(case: Decode, q, k_cache, idx, sink, lengths, meta=None):
         cache_seqlens = torch.full((case.b,), case.topk, dtype=torch.int32, device=q.device)
         meta = fm.get_mla_metadata(cache_seqlens, case.s_q * case.h_q, 1, case.h_q, True, case.topk)
     # positionally, as FlashMLA's test library calls it (softmax_scale None: d_qk ** -0.5)
-    return fm.flash_mla_with_kvcache(q, k_cache, None, None, case.d_nope, meta[0], meta[1], None, False, True, idx,
-                                     sink, None, None, lengths, None)
+    return fm.flash_mla_with_kvcache(
+        q, k_cache, None, None, case.d_nope, meta[0], meta[1], None, False, True, idx, sink, None, None, lengths, None
+    )
 
 
 def check_decode(case: Decode, got, want, device: str):
@@ -429,8 +460,7 @@ def check_decode(case: Decode, got, want, device: str):
 
 DECODE_CPU = [
     Decode(2, 1, 16, page, topk, dtype)
-    for (page, topk), dtype in zip(((2, 64), (53, 100), (61, 576), (64, 64), (69, 128), (576, 64)),
-                                   POOL_DTYPES * 2)
+    for (page, topk), dtype in zip(((2, 64), (53, 100), (61, 576), (64, 64), (69, 128), (576, 64)), POOL_DTYPES * 2)
 ] + [
     Decode(2, 3, 64, 64, 128, torch.uint8, sink=True, lengths=True),
     Decode(3, 3, 8, 53, 100, torch.int8, sink=True, lengths=True, lonely_every=2),
@@ -448,14 +478,24 @@ def test_with_kvcache(gen, case):
 
 
 DECODE_CUDA = (
-    [Decode(b, s_q, h_q, page, topk, dtype)
-     for (page, dtype) in zip(PAGES, POOL_DTYPES * 2) for h_q in (64, 128, 16)
-     for topk in (64, 576, 2048) for b, s_q in ((4, 1), (74, 3))]
-    + [Decode(74, 3, h_q, page, topk, dtype, d_nope=512, d_rope=0, sink=True, lengths=True)
-       for h_q in (64, 8) for page, topk, dtype in ((2, 64, torch.uint8), (64, 576, torch.float8_e4m3fn))]
-    + [Decode(b, 3, h_q, page, topk, dtype, sink=True, lengths=True, lonely_every=2)
-       for h_q in (64, 128) for b in (4, 321)
-       for page, topk, dtype in ((61, 64, torch.int8), (53, 576, torch.float8_e4m3fn), (69, 100, torch.uint8))]
+    [
+        Decode(b, s_q, h_q, page, topk, dtype)
+        for (page, dtype) in zip(PAGES, POOL_DTYPES * 2)
+        for h_q in (64, 128, 16)
+        for topk in (64, 576, 2048)
+        for b, s_q in ((4, 1), (74, 3))
+    ]
+    + [
+        Decode(74, 3, h_q, page, topk, dtype, d_nope=512, d_rope=0, sink=True, lengths=True)
+        for h_q in (64, 8)
+        for page, topk, dtype in ((2, 64, torch.uint8), (64, 576, torch.float8_e4m3fn))
+    ]
+    + [
+        Decode(b, 3, h_q, page, topk, dtype, sink=True, lengths=True, lonely_every=2)
+        for h_q in (64, 128)
+        for b in (4, 321)
+        for page, topk, dtype in ((61, 64, torch.int8), (53, 576, torch.float8_e4m3fn), (69, 100, torch.uint8))
+    ]
     + [Decode(74, 1, 128, 64, 2048, torch.float8_e4m3fn, sink=True, lengths=True, layers=3)]
 )
 
@@ -515,14 +555,22 @@ def test_with_kvcache_explicit_scale_and_keywords(gen):
     case = Decode(2, 1, 8, 64, 64, sink=True)
     q, k_cache, idx, sink, lengths = decode_inputs(gen, case)
     meta, splits = fm.get_mla_metadata()
-    by_keyword = fm.flash_mla_with_kvcache(q=q, k_cache=k_cache, block_table=None, cache_seqlens=None,
-                                           head_dim_v=512, tile_scheduler_metadata=meta, num_splits=splits,
-                                           softmax_scale=576**-0.5, is_fp8_kvcache=True, indices=idx,
-                                           attn_sink=sink)
+    by_keyword = fm.flash_mla_with_kvcache(
+        q=q,
+        k_cache=k_cache,
+        block_table=None,
+        cache_seqlens=None,
+        head_dim_v=512,
+        tile_scheduler_metadata=meta,
+        num_splits=splits,
+        softmax_scale=576**-0.5,
+        is_fp8_kvcache=True,
+        indices=idx,
+        attn_sink=sink,
+    )
     default = run_decode(case, q, k_cache, idx, sink, lengths)
     assert torch.equal(by_keyword[0], default[0]) and torch.equal(by_keyword[1], default[1])
-    other = fm.flash_mla_with_kvcache(q, k_cache, None, None, 512, meta, splits, 0.01, is_fp8_kvcache=True,
-                                      indices=idx)
+    other = fm.flash_mla_with_kvcache(q, k_cache, None, None, 512, meta, splits, 0.01, is_fp8_kvcache=True, indices=idx)
     rows = dequant_rows(k_cache.view(torch.uint8).reshape(-1, case.layout.row_bytes), case.layout)
     want = ref_sparse_attn(q.reshape(2, 8, 576), rows, idx.reshape(2, 64), 0.01, 512)
     assert_close("out", other[0], want[0].reshape(2, 1, 8, 512), **OUT_TOL["cpu"])
@@ -533,8 +581,11 @@ def test_metadata_is_a_placeholder():
     # the old call form (FlashMLA's first sparse release), the new one and keywords all give the same placeholder;
     # nothing is read: a tensor with no data (the meta device) is fine
     seqlens = torch.empty(4, dtype=torch.int32, device="meta")
-    for meta, splits in (fm.get_mla_metadata(seqlens, 128, 1, 128, True, 2048), fm.get_mla_metadata(),
-                         fm.get_mla_metadata(cache_seqlens=seqlens, num_q_tokens_per_head_k=64, num_heads_k=1)):
+    for meta, splits in (
+        fm.get_mla_metadata(seqlens, 128, 1, 128, True, 2048),
+        fm.get_mla_metadata(),
+        fm.get_mla_metadata(cache_seqlens=seqlens, num_q_tokens_per_head_k=64, num_heads_k=1),
+    ):
         assert isinstance(meta, fm.FlashMLASchedMeta) and splits is None
         assert not meta.have_initialized and meta.tile_scheduler_metadata is None and meta.num_splits is None
 
@@ -598,8 +649,16 @@ def test_with_kvcache_graph_capture_replays_new_inputs(gen):
 def _decode_kwargs(gen):
     case = Decode(1, 1, 8, 64, 64)
     q, k_cache, idx, _, _ = decode_inputs(gen, case)
-    return dict(q=q, k_cache=k_cache, block_table=None, cache_seqlens=None, head_dim_v=512,
-                tile_scheduler_metadata=fm.get_mla_metadata()[0], is_fp8_kvcache=True, indices=idx)
+    return dict(
+        q=q,
+        k_cache=k_cache,
+        block_table=None,
+        cache_seqlens=None,
+        head_dim_v=512,
+        tile_scheduler_metadata=fm.get_mla_metadata()[0],
+        is_fp8_kvcache=True,
+        indices=idx,
+    )
 
 
 UNSUPPORTED = {  # the argument the message names -> how the call sets it
@@ -657,6 +716,7 @@ def test_sparse_fwd_bad_input_names_the_argument(gen):
 
 
 def test_module_exports():
-    assert sorted(fm.__all__) == sorted(["FlashMLASchedMeta", "get_mla_metadata", "flash_mla_with_kvcache",
-                                         "flash_mla_sparse_fwd"])
+    assert sorted(fm.__all__) == sorted(
+        ["FlashMLASchedMeta", "get_mla_metadata", "flash_mla_with_kvcache", "flash_mla_sparse_fwd"]
+    )
     assert all(callable(getattr(fm, name)) for name in fm.__all__)

@@ -162,8 +162,7 @@ def brute_paged_logits(q, cache2d, page, weights, lengths, page_table):
     for b in range(b_count):
         for i in range(n_rows):
             r = b * n_rows + i
-            pos = [p for p in range(min(max(int(lengths[r]), 0), width))
-                   if 0 <= int(page_table[b, p // page]) < pages]
+            pos = [p for p in range(min(max(int(lengths[r]), 0), width)) if 0 <= int(page_table[b, p // page]) < pages]
             if not pos:
                 continue
             pos_t = torch.tensor(pos)
@@ -294,8 +293,9 @@ def test_store_then_gather_round_trip(gen, page):
 def test_gather_index_k_empty_cache_and_no_ids():
     values, scale = dsa.gather_index_k(torch.zeros(0, 16, 132, dtype=torch.uint8), torch.tensor([0, -1, 5]))
     assert values.view(torch.uint8).eq(0).all() and scale.eq(0).all() and values.shape == (3, 128)
-    values, scale = dsa.gather_index_k(torch.zeros(2, 16 * 132, dtype=torch.uint8), torch.zeros(0, dtype=torch.int32),
-                                       128)
+    values, scale = dsa.gather_index_k(
+        torch.zeros(2, 16 * 132, dtype=torch.uint8), torch.zeros(0, dtype=torch.int32), 128
+    )
     assert values.shape == (0, 128) and scale.shape == (0,)
 
 
@@ -444,8 +444,13 @@ def test_paged_index_logits_in_chunks(gen, monkeypatch):
 
 def test_paged_index_logits_empty_pool(gen):
     q = torch.randn(2, 1, 4, 128, generator=gen).to(FP8)
-    got = dsa.paged_index_logits(q, torch.zeros(0, 16, 132, dtype=torch.uint8), torch.ones(2, 4),
-                                 torch.tensor([5, 16], dtype=torch.int32), torch.zeros(2, 3, dtype=torch.int32))
+    got = dsa.paged_index_logits(
+        q,
+        torch.zeros(0, 16, 132, dtype=torch.uint8),
+        torch.ones(2, 4),
+        torch.tensor([5, 16], dtype=torch.int32),
+        torch.zeros(2, 3, dtype=torch.int32),
+    )
     assert got.shape == (2, 48) and torch.isinf(got).all()
 
 
@@ -483,12 +488,16 @@ def brute_max_logits(q, kv, indices, sm_scale, topk_length):
 @pytest.mark.parametrize("heads", [1, 16, 64], ids=lambda h: f"H{h}")
 def test_attn_sink(gen, heads, sink_kind):
     q, kv, idx, lengths = attn_case(gen, heads)
-    sink = {"random": torch.randn(heads, generator=gen) * 3, "minus-inf": torch.full((heads,), -math.inf),
-            "large": torch.full((heads,), 30.0)}[sink_kind]
+    sink = {
+        "random": torch.randn(heads, generator=gen) * 3,
+        "minus-inf": torch.full((heads,), -math.inf),
+        "large": torch.full((heads,), 30.0),
+    }[sink_kind]
     sm_scale = 256**-0.5
     out, lse = dsa.sparse_attn(q, kv, idx, sm_scale, 256, lengths, sink)
-    ref_out, ref_lse = brute_attn(q, lambda s: kv[s].double() if 0 <= s < NUM_SLOTS else None, idx, sm_scale, 256,
-                                  lengths)
+    ref_out, ref_lse = brute_attn(
+        q, lambda s: kv[s].double() if 0 <= s < NUM_SLOTS else None, idx, sm_scale, 256, lengths
+    )
     empty = torch.isinf(ref_lse)
     factor = torch.where(empty, 0.0, 1 / (1 + torch.exp(sink.double() - ref_lse)))  # FlashMLA's sink
     ref_out = ref_out * factor.unsqueeze(-1)
@@ -607,8 +616,15 @@ def _prefill_inputs(gen, t_count):
     cache = torch.randint(0, 256, (8, 16, 132), generator=gen, dtype=torch.uint8)
     q, _, _, weights = logit_inputs(gen, t_count, 0, 4, 128, FP8)
     ks = torch.randint(-2, t_count, (t_count,), generator=gen, dtype=torch.int32)
-    return dict(k=make_rows(gen, t_count, 128), cache=cache, loc=torch.randperm(128, generator=gen)[:t_count].int(),
-                q=q, weights=weights, ks=ks, ke=ks + 3)
+    return dict(
+        k=make_rows(gen, t_count, 128),
+        cache=cache,
+        loc=torch.randperm(128, generator=gen)[:t_count].int(),
+        q=q,
+        weights=weights,
+        ks=ks,
+        ke=ks + 3,
+    )
 
 
 def _decode_inputs(gen, b_count):
@@ -616,12 +632,16 @@ def _decode_inputs(gen, b_count):
     # (duck sizing would tie the two and recompile)
     q, cache, weights, lengths, table = paged_case(gen, 16, 16, FP8, b_count=b_count, n_rows=2, pages=48)
     loc = torch.randint(-1, cache.shape[0] * 16, (b_count,), generator=gen, dtype=torch.int32)
-    return dict(k=make_rows(gen, b_count, 128), cache=cache, loc=loc, q=q, weights=weights, lengths=lengths,
-                table=table)
+    return dict(
+        k=make_rows(gen, b_count, 128), cache=cache, loc=loc, q=q, weights=weights, lengths=lengths, table=table
+    )
 
 
-@pytest.mark.parametrize("step, make, sizes", [(_prefill_step, _prefill_inputs, (2, 3, 5, 9)),
-                                               (_decode_step, _decode_inputs, (4, 5, 7))], ids=["prefill", "decode"])
+@pytest.mark.parametrize(
+    "step, make, sizes",
+    [(_prefill_step, _prefill_inputs, (2, 3, 5, 9)), (_decode_step, _decode_inputs, (4, 5, 7))],
+    ids=["prefill", "decode"],
+)
 def test_compile_without_recompiles(gen, step, make, sizes):
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
@@ -682,8 +702,9 @@ def check_gpu_logits(got, want, magnitude):
 def paged_reference(q, cache2d, weights, lengths, table, page):
     """The reference's paged logits and their magnitude."""
     want = reference.paged_index_logits(q, cache2d, weights, lengths, table)
-    magnitude = reference.paged_index_logits(absolute(q), absolute_cache(cache2d, page, q.shape[-1]), weights.abs(),
-                                             lengths, table)
+    magnitude = reference.paged_index_logits(
+        absolute(q), absolute_cache(cache2d, page, q.shape[-1]), weights.abs(), lengths, table
+    )
     return want, magnitude
 
 

@@ -53,12 +53,16 @@ def lowered(key, target: str) -> str:
 
 
 def build(key):
-    return {ix.QuantIndexKey: ix.build_quant_index, ix.GatherIndexKey: ix.build_gather_index_k,
-            ix.IndexLogitsKey: ix.build_index_logits, ix.PagedLogitsKey: ix.build_paged_index_logits}[type(key)](key)
+    return {
+        ix.QuantIndexKey: ix.build_quant_index,
+        ix.GatherIndexKey: ix.build_gather_index_k,
+        ix.IndexLogitsKey: ix.build_index_logits,
+        ix.PagedLogitsKey: ix.build_paged_index_logits,
+    }[type(key)](key)
 
 
 def body(src: str) -> str:
-    return src[src.index('extern "C"'):]
+    return src[src.index('extern "C"') :]
 
 
 def enclosing_conditions(src: str, pattern: str) -> list[str]:
@@ -97,22 +101,26 @@ def test_key_names_spell_the_specialization():
     assert ix.paged_logits_key(128, 8, 1, "float8_e4m3fn", "cuda").pages_per_cta == 1024
 
 
-@pytest.mark.parametrize("key, message", [
-    (ix.QuantIndexKey(96), "multiple of 64"),
-    (ix.QuantIndexKey(128, -1), "page must be 0"),
-    (ix.QuantIndexKey(128, 64, slot_dtype="int16"), "int32 or int64"),
-    (ix.GatherIndexKey(128, 0), "positive number of tokens"),
-    (ix.IndexLogitsKey(128, 0), "heads must be in 1..128"),
-    (ix.IndexLogitsKey(128, 129), "heads must be in 1..128"),
-    (ix.IndexLogitsKey(128, 8, "bfloat16", ws=True), "no warp-specialized kernel"),
-    # 3 pages of 16 tokens are not whole 64-row tiles (the portable kernel: the warp-specialized one refuses
-    # pages of 16 tokens before it looks at the split)
-    (ix.PagedLogitsKey(128, 8, 16, ws=False, split_pages=3), "whole 64-row tiles"),
-    # the warp-specialized decode takes pages of a multiple of 64 tokens only
-    (ix.PagedLogitsKey(128, 8, 16, ws=True), "no warp-specialized kernel"),
-    (ix.PagedLogitsKey(128, 8, 3, ws=True), "no warp-specialized kernel"),
-    (ix.PagedLogitsKey(128, 8, 64, "bfloat16", ws=True), "no warp-specialized kernel"),
-], ids=lambda x: x if isinstance(x, str) else x.name)
+@pytest.mark.parametrize(
+    "key, message",
+    [
+        (ix.QuantIndexKey(96), "multiple of 64"),
+        (ix.QuantIndexKey(128, -1), "page must be 0"),
+        (ix.QuantIndexKey(128, 64, slot_dtype="int16"), "int32 or int64"),
+        (ix.GatherIndexKey(128, 0), "positive number of tokens"),
+        (ix.IndexLogitsKey(128, 0), "heads must be in 1..128"),
+        (ix.IndexLogitsKey(128, 129), "heads must be in 1..128"),
+        (ix.IndexLogitsKey(128, 8, "bfloat16", ws=True), "no warp-specialized kernel"),
+        # 3 pages of 16 tokens are not whole 64-row tiles (the portable kernel: the warp-specialized one refuses
+        # pages of 16 tokens before it looks at the split)
+        (ix.PagedLogitsKey(128, 8, 16, ws=False, split_pages=3), "whole 64-row tiles"),
+        # the warp-specialized decode takes pages of a multiple of 64 tokens only
+        (ix.PagedLogitsKey(128, 8, 16, ws=True), "no warp-specialized kernel"),
+        (ix.PagedLogitsKey(128, 8, 3, ws=True), "no warp-specialized kernel"),
+        (ix.PagedLogitsKey(128, 8, 64, "bfloat16", ws=True), "no warp-specialized kernel"),
+    ],
+    ids=lambda x: x if isinstance(x, str) else x.name,
+)
 def test_builders_refuse_bad_keys(key, message):
     with pytest.raises(AssertionError, match=message):
         build(key)
@@ -157,9 +165,14 @@ def test_index_logits_ws_kernel_structure():
     assert src.count("turn[0].arrive()") == 1 and src.count("turn[1].arrive()") == 1
 
 
-@pytest.mark.parametrize("key", [ix.index_logits_key(D, 64, "float8_e4m3fn", "hip"),
-                                 pytest.param(ix.paged_logits_key(D, 64, 64, "float8_e4m3fn", "hip"),
-                                              marks=pytest.mark.lowering)], ids=str)
+@pytest.mark.parametrize(
+    "key",
+    [
+        ix.index_logits_key(D, 64, "float8_e4m3fn", "hip"),
+        pytest.param(ix.paged_logits_key(D, 64, 64, "float8_e4m3fn", "hip"), marks=pytest.mark.lowering),
+    ],
+    ids=str,
+)
 def test_portable_kernels_use_the_fp8_mfma_on_gfx950(key):
     assert not key.ws and "__builtin_amdgcn_mfma_f32_16x16x32_fp8_fp8" in lowered(key, "hip")
 
@@ -191,9 +204,24 @@ def nvcc_log(key, tmp_path) -> str:
     from tilelang.env import CUTLASS_INCLUDE_DIR, TILELANG_TEMPLATE_PATH
 
     (tmp_path / "k.cu").write_text(lowered(key, "cuda"))
-    done = subprocess.run([NVCC, "-cubin", "-arch=sm_90a", "-O3", "-std=c++20", f"-I{TILELANG_TEMPLATE_PATH}",
-                           f"-I{CUTLASS_INCLUDE_DIR}", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"),
-                           str(tmp_path / "k.cu")], capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            NVCC,
+            "-cubin",
+            "-arch=sm_90a",
+            "-O3",
+            "-std=c++20",
+            f"-I{TILELANG_TEMPLATE_PATH}",
+            f"-I{CUTLASS_INCLUDE_DIR}",
+            "-Xptxas",
+            "-v",
+            "-o",
+            str(tmp_path / "k.cubin"),
+            str(tmp_path / "k.cu"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     log = done.stdout + done.stderr
     assert done.returncode == 0, log
     return log
@@ -214,14 +242,29 @@ def test_index_logits_ws_compiles_without_spills(tmp_path):
 SWEEP_HEADS = [1, 2, 3, 5, 8, 16, 24, 32, 64, 100, 128]
 PAGED_HEADS = [1, 5, 8, 32, 64, 128]
 SWEEP_KEYS = (
-    [ix.QuantIndexKey(d, p, rs, s) for d in (64, 128, 192, 256) for p in (0, 1, 2, 64) for rs in (False, True)
-     for s in ix.SLOT_DTYPES if p or s == "int32"]
+    [
+        ix.QuantIndexKey(d, p, rs, s)
+        for d in (64, 128, 192, 256)
+        for p in (0, 1, 2, 64)
+        for rs in (False, True)
+        for s in ix.SLOT_DTYPES
+        if p or s == "int32"
+    ]
     + [ix.GatherIndexKey(d, p, s) for d in (64, 128, 256) for p in (1, 2, 16, 64) for s in ix.SLOT_DTYPES]
-    + [ix.IndexLogitsKey(d, h, q, ws) for d in (64, 128, 256) for h in SWEEP_HEADS
-       for q, ws in (("float8_e4m3fn", True), ("float8_e4m3fn", False), ("bfloat16", False)) if d == D or h in (8, 64)]
-    + [ix.PagedLogitsKey(D, h, p, q, ws) for h in PAGED_HEADS for p in (1, 4, 16, 64, 128)
-       for q, ws in (("float8_e4m3fn", True), ("float8_e4m3fn", False), ("bfloat16", False))
-       if not ws or ix.paged_ws_supported(D, h, p, q)]
+    + [
+        ix.IndexLogitsKey(d, h, q, ws)
+        for d in (64, 128, 256)
+        for h in SWEEP_HEADS
+        for q, ws in (("float8_e4m3fn", True), ("float8_e4m3fn", False), ("bfloat16", False))
+        if d == D or h in (8, 64)
+    ]
+    + [
+        ix.PagedLogitsKey(D, h, p, q, ws)
+        for h in PAGED_HEADS
+        for p in (1, 4, 16, 64, 128)
+        for q, ws in (("float8_e4m3fn", True), ("float8_e4m3fn", False), ("bfloat16", False))
+        if not ws or ix.paged_ws_supported(D, h, p, q)
+    ]
 )
 
 
@@ -279,12 +322,12 @@ def index_rows(g, n: int) -> torch.Tensor:
 
 def page_values(cache: torch.Tensor, page: int) -> torch.Tensor:
     """The FP8 bytes of a ``[P, page * (D + 4)]`` cache as ``[P, page, D]`` uint8 (a view)."""
-    return cache[:, :page * D].view(cache.shape[0], page, D)
+    return cache[:, : page * D].view(cache.shape[0], page, D)
 
 
 def page_scales(cache: torch.Tensor, page: int) -> torch.Tensor:
     """The scales of a cache as ``[P, page]`` float32 (a copy)."""
-    return cache[:, page * D:].contiguous().view(torch.float32)
+    return cache[:, page * D :].contiguous().view(torch.float32)
 
 
 @pytest.mark.cuda
@@ -325,7 +368,7 @@ def test_store_index_k_writes_exactly_the_valid_slots():
     page_values(want, page)[slot // page, slot % page] = values.view(torch.uint8)
     scales = page_scales(want, page)
     scales[slot // page, slot % page] = scale
-    want[:, page * D:] = scales.view(torch.uint8)
+    want[:, page * D :] = scales.view(torch.uint8)
     got = cache.cuda()
     kernel(key)(k.cuda(), loc.cuda(), got)
     assert torch.equal(got.cpu(), want)
@@ -379,8 +422,20 @@ def check_logits(got: torch.Tensor, want: torch.Tensor, mag: torch.Tensor, rel: 
 def ragged_ranges(t_count: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``ks, ke [T]`` int32 cycling through: all keys, causal (``[0, t + 1)``), a middle window, ranges past both
     ends, empty and reversed ranges, the int32 extremes, one column, the last column."""
-    cases = [(0, n), (0, None), (n // 3, n // 3 + 1000), (-5, 40), (n - 10, n + 100), (7, 7), (50, 10),
-             (INT_MIN, INT_MAX), (INT_MAX, INT_MIN), (n, n + 5), (9, 10), (n - 1, n)]
+    cases = [
+        (0, n),
+        (0, None),
+        (n // 3, n // 3 + 1000),
+        (-5, 40),
+        (n - 10, n + 100),
+        (7, 7),
+        (50, 10),
+        (INT_MIN, INT_MAX),
+        (INT_MAX, INT_MIN),
+        (n, n + 5),
+        (9, 10),
+        (n - 1, n),
+    ]
     ks, ke = [], []
     for t in range(t_count):
         a, b = cases[t % len(cases)]
@@ -461,7 +516,7 @@ def paged_inputs(heads, page, q_dtype, rows_per_request, lengths, max_pages, pag
             if 0 <= e < pages:
                 page_values(cache, page)[e, p % page] = exact_fp8(g, D).view(torch.uint8)
                 scale = torch.rand(1, generator=g) + 0.5
-                cache[e, page * D + 4 * (p % page):page * D + 4 * (p % page) + 4] = scale.view(torch.uint8)
+                cache[e, page * D + 4 * (p % page) : page * D + 4 * (p % page) + 4] = scale.view(torch.uint8)
     q = exact_fp8(g, r_count, heads, D).to(q_dtype)
     weights = torch.randn(r_count, heads, generator=g)
     return q, cache, weights, lens, table
@@ -498,8 +553,11 @@ PAGED_CASES = [
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("heads, page, q_dtype, n, lengths, max_pages, pages", PAGED_CASES,
-                         ids=[f"h{c[0]}-p{c[1]}-{'fp8' if c[2] == FP8 else 'bf16'}" for c in PAGED_CASES])
+@pytest.mark.parametrize(
+    "heads, page, q_dtype, n, lengths, max_pages, pages",
+    PAGED_CASES,
+    ids=[f"h{c[0]}-p{c[1]}-{'fp8' if c[2] == FP8 else 'bf16'}" for c in PAGED_CASES],
+)
 def test_paged_index_logits(heads, page, q_dtype, n, lengths, max_pages, pages):
     key = ix.paged_logits_key(D, heads, page, "float8_e4m3fn" if q_dtype == FP8 else "bfloat16", "cuda")
     assert key.ws == (q_dtype == FP8 and page % 64 == 0)

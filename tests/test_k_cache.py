@@ -11,9 +11,11 @@ from tests.oracle import GEOMETRIES, INT_MAX, INT_MIN, brute_fp8, brute_scales, 
 def make_k(gen, n, geo, magnitude=1.0):
     """K rows with magnitudes spread over many binades, one all-zero tile and one all-zero row."""
     k_nope = torch.randn(n, geo.d_nope, generator=gen) * magnitude
-    k_nope *= torch.exp2(torch.randint(-8, 8, (n, geo.d_nope // 128, 1), generator=gen).float()).repeat_interleave(
-        128, dim=1
-    ).reshape(n, -1)
+    k_nope *= (
+        torch.exp2(torch.randint(-8, 8, (n, geo.d_nope // 128, 1), generator=gen).float())
+        .repeat_interleave(128, dim=1)
+        .reshape(n, -1)
+    )
     k_nope[0, :128] = 0
     k_nope[-1] = 0
     k_rope = torch.randn(n, geo.d_rope, generator=gen).bfloat16() if geo.d_rope else None

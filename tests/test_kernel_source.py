@@ -27,9 +27,13 @@ PATHS = {"prefill": 0, "split": 1}  # the index of each kernel in a geometry's a
 
 def sweep(values, keep=lambda v: False, ids=None):
     """``values`` as parameters, each but those ``keep`` accepts marked as part of the lowering sweep."""
+
     def param(v):
-        return pytest.param(*v, marks=LOWERING) if isinstance(v, tuple) else pytest.param(v, marks=LOWERING,
-                                                                                          id=ids(v) if ids else None)
+        return (
+            pytest.param(*v, marks=LOWERING)
+            if isinstance(v, tuple)
+            else pytest.param(v, marks=LOWERING, id=ids(v) if ids else None)
+        )
 
     return [v if keep(v) else param(v) for v in values]
 
@@ -44,7 +48,7 @@ def _gpu(name: str, *args):
 
 
 @functools.cache
-def source(key: _cuda.KernelKey, target: str) -> str:
+def source(key, target: str) -> str:
     return _cuda.lower_source(key, target)
 
 
@@ -55,17 +59,22 @@ def cache_key(op, width, slot="int32"):
 def attn_keys(name, kind, has_len=False, target="cuda"):
     """Keys of a geometry; kind "fp8" is native float8 kv with float8 q."""
     d_v, d_rope, heads = ATTN[name]
-    return _cuda.attn_keys(kind, d_v, d_rope, heads, (d_v + d_rope) ** -0.5, has_len, target=target,
-                           q_fp8=kind == "fp8")
+    return _cuda.attn_keys(
+        kind, d_v, d_rope, heads, (d_v + d_rope) ** -0.5, has_len, target=target, q_fp8=kind == "fp8"
+    )
 
 
 def kernel_body(src: str) -> str:
-    return src[src.index('extern "C"'):]
+    return src[src.index('extern "C"') :]
 
 
-@pytest.mark.parametrize("op, width, target", sweep(
-    [(op, w, t) for op in CACHE_OPS for w in LAYOUTS for t in ("cuda", "hip")],
-    keep=lambda c: c[1:] == ("656", "cuda") or c == ("store_k_cache", "264", "hip")))
+@pytest.mark.parametrize(
+    "op, width, target",
+    sweep(
+        [(op, w, t) for op in CACHE_OPS for w in LAYOUTS for t in ("cuda", "hip")],
+        keep=lambda c: c[1:] == ("656", "cuda") or c == ("store_k_cache", "264", "hip"),
+    ),
+)
 def test_cache_sources(op, width, target):
     src = source(cache_key(op, width), target)
     assert "__global__" in src and f"{op}_kernel" in src
@@ -78,10 +87,17 @@ def test_cache_sources(op, width, target):
 
 
 @pytest.mark.parametrize("target", ["cuda", pytest.param("hip", marks=LOWERING)])
-@pytest.mark.parametrize("lay, vec", [(KCacheLayout(256, 0), 8), (KCacheLayout(512, 64), 8),
-                                      pytest.param(KCacheLayout(384, 2), 8, marks=LOWERING),
-                                      (KCacheLayout(256, 2), 4),
-                                      pytest.param(KCacheLayout(384, 0), 4, marks=LOWERING)], ids=str)
+@pytest.mark.parametrize(
+    "lay, vec",
+    [
+        (KCacheLayout(256, 0), 8),
+        (KCacheLayout(512, 64), 8),
+        pytest.param(KCacheLayout(384, 2), 8, marks=LOWERING),
+        (KCacheLayout(256, 2), 4),
+        pytest.param(KCacheLayout(384, 0), 4, marks=LOWERING),
+    ],
+    ids=str,
+)
 @pytest.mark.parametrize("op", ["quant_k_cache", pytest.param("store_k_cache", marks=LOWERING)])
 def test_quant_kernels_write_whole_rows(op, lay, vec, target):
     # a group of 32 lanes quantizes whole rows, `vec` values a lane: one store of `vec` FP8 bytes (8 where
@@ -104,19 +120,30 @@ def test_quant_kernels_write_whole_rows(op, lay, vec, target):
 @pytest.mark.parametrize("op", ["quant_k_cache", "store_k_cache"])
 def test_quant_kernels_refuse_odd_tails(launches, op):
     k_nope, k_rope = torch.randn(2, 256).bfloat16(), torch.randn(2, 3).bfloat16()
-    call = {"quant_k_cache": lambda: _gpu("quant_k_cache", k_nope, k_rope),
-            "store_k_cache": lambda: _gpu("store_k_cache", k_nope, k_rope, torch.zeros(4, 270, dtype=torch.uint8),
-                                                         torch.tensor([0, 1], dtype=torch.int32))}[op]
+    call = {
+        "quant_k_cache": lambda: _gpu("quant_k_cache", k_nope, k_rope),
+        "store_k_cache": lambda: _gpu(
+            "store_k_cache",
+            k_nope,
+            k_rope,
+            torch.zeros(4, 270, dtype=torch.uint8),
+            torch.tensor([0, 1], dtype=torch.int32),
+        ),
+    }[op]
     with pytest.raises(ValueError, match=f"dsa.{op} on a GPU: k_rope must have an even width, got d_rope = 3"):
         call()
     assert not launches
 
 
-@pytest.mark.parametrize("name, kind, target", sweep(
-    [(n, k, t) for n in ATTN for k in ("bf16", "packed", "fp8") for t in ("cuda", "hip")],
-    # the default run: DeepSeek's packed kernels for sm_90a (warp-specialized prefill and split decode, combine with
-    # a tail) and GLM's bf16 kernels for gfx950 (the portable ones, without a tail)
-    keep=lambda c: c in {("deepseek-512+64-h128", "packed", "cuda"), ("glm-256+0-h64", "bf16", "hip")}))
+@pytest.mark.parametrize(
+    "name, kind, target",
+    sweep(
+        [(n, k, t) for n in ATTN for k in ("bf16", "packed", "fp8") for t in ("cuda", "hip")],
+        # the default run: DeepSeek's packed kernels for sm_90a (warp-specialized prefill and split decode, combine with
+        # a tail) and GLM's bf16 kernels for gfx950 (the portable ones, without a tail)
+        keep=lambda c: c in {("deepseek-512+64-h128", "packed", "cuda"), ("glm-256+0-h64", "bf16", "hip")},
+    ),
+)
 def test_attention_sources(name, kind, target):
     keys = attn_keys(name, kind, target=target)
     # the warp-specialized kernels are CUDA-only; under 64 heads they pad the head block (512+0-h16)
@@ -174,8 +201,11 @@ def test_attention_sources(name, kind, target):
             # no barrier among the producer threads inside the loop of widening calls (TileLang puts one
             # there when it sees the stage's reads and writes through T.access_ptr; it cost ~10% at
             # DeepSeek geometry)
-            assert not re.search(r"\{\s*tl::__sync_thread_partial\([^;]*;\s*(#pragma unroll\s*)?"
-                                 r"(for \([^)]*\) \{\s*)?dsa_widen<", roles[2])
+            assert not re.search(
+                r"\{\s*tl::__sync_thread_partial\([^;]*;\s*(#pragma unroll\s*)?"
+                r"(for \([^)]*\) \{\s*)?dsa_widen<",
+                roles[2],
+            )
             assert ("mbarrier_cp_async_arrive_noinc" in roles[2]) == (kind == "bf16")
             if kind != "bf16" and not staged:
                 # rows widened in place: no barrier among the producer threads at all (TileLang put three
@@ -209,7 +239,7 @@ def test_attention_sources(name, kind, target):
     # the combine loads the partials of a chunk of splits before it uses any (one memory round trip for
     # up to COMBINE_CHUNK splits; one load after another took ~1 us more of a GLM decode on an H200);
     # the split kernel stores them as bf16 through shared memory, and the combine reads 16-byte vectors
-    chunk = combine[combine.index("for (int ck"):]
+    chunk = combine[combine.index("for (int ck") :]
     assert chunk.index("expf(") > max(chunk.rindex("part_out +"), chunk.rindex("part_lse["))
     split_body = kernel_body(source(keys[1], target))
     if target == "cuda":
@@ -223,11 +253,11 @@ def test_attention_sources(name, kind, target):
             assert "dsa_bar_sync(14, 128);" in split_body and "dsa_bar_sync(15, 128);" in split_body
             assert not re.search(r"__sync_thread_partial\((14|15),", split_body)
     if ws:
-        assert "pdl" in keys[-1].flags
+        assert keys[-1].pdl
         trigger = combine.index("cudaTriggerProgrammaticLaunchCompletion();")
         assert combine.index("cudaGridDependencySynchronize();") < trigger < combine.index("part_lse[")
     else:  # HIP, or a portable split kernel: plain launches
-        assert "pdl" not in keys[-1].flags and "GridDependency" not in combine
+        assert not keys[-1].pdl and "GridDependency" not in combine
 
 
 @LOWERING
@@ -239,8 +269,9 @@ def test_tail_gemm_is_compiled_out():
     assert "kt_s" not in no_tail
 
 
-@pytest.mark.parametrize("name, path", [("deepseek-512+64-h128", "prefill"),
-                                        pytest.param("glm-256+0-h64", "split", marks=LOWERING)])
+@pytest.mark.parametrize(
+    "name, path", [("deepseek-512+64-h128", "prefill"), pytest.param("glm-256+0-h64", "split", marks=LOWERING)]
+)
 def test_topk_length_variant_takes_the_lengths(name, path):
     plain = source(attn_keys(name, "packed")[PATHS[path]], "cuda")
     with_len = source(attn_keys(name, "packed", has_len=True)[PATHS[path]], "cuda")
@@ -255,15 +286,26 @@ SUITE_WS_SAMPLE = set(attn_keys("deepseek-512+64-h128", "packed")[:2])
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
 @pytest.mark.parametrize(
     "key",
-    [cache_key("store_k_cache", "656", "int64"),
-     attn_keys("deepseek-512+64-h128", "packed", has_len=True)[0],
-     *sweep([cache_key("quant_k_cache", "264"), cache_key("gather_dequant_k_cache", "264"),
-             *attn_keys("glm-256+0-h64", "bf16"), attn_keys("deepseek-512+64-h128", "packed", has_len=True)[1],
-             *attn_keys("deepseek-512+64-h128", "fp8")[:2], attn_keys("deepseek-512+64-h128", "bf16")[0],
-             attn_keys("deepseek-512+64-h128", "bf16", has_len=True)[0],
-             attn_keys("glm-256+0-h64", "fp8", has_len=True)[0], attn_keys("glm-256+0-h64", "packed")[0],
-             attn_keys("512+0-h16", "packed")[0], attn_keys("512+0-h16", "packed", has_len=True)[1]],
-            ids=lambda k: k.name)],
+    [
+        cache_key("store_k_cache", "656", "int64"),
+        attn_keys("deepseek-512+64-h128", "packed", has_len=True)[0],
+        *sweep(
+            [
+                cache_key("quant_k_cache", "264"),
+                cache_key("gather_dequant_k_cache", "264"),
+                *attn_keys("glm-256+0-h64", "bf16"),
+                attn_keys("deepseek-512+64-h128", "packed", has_len=True)[1],
+                *attn_keys("deepseek-512+64-h128", "fp8")[:2],
+                attn_keys("deepseek-512+64-h128", "bf16")[0],
+                attn_keys("deepseek-512+64-h128", "bf16", has_len=True)[0],
+                attn_keys("glm-256+0-h64", "fp8", has_len=True)[0],
+                attn_keys("glm-256+0-h64", "packed")[0],
+                attn_keys("512+0-h16", "packed")[0],
+                attn_keys("512+0-h16", "packed", has_len=True)[1],
+            ],
+            ids=lambda k: k.name,
+        ),
+    ],
     ids=lambda k: k.name,
 )
 def test_cuda_sources_compile_for_sm90a(key, tmp_path):
@@ -272,10 +314,28 @@ def test_cuda_sources_compile_for_sm90a(key, tmp_path):
     (tmp_path / "k.cu").write_text(source(key, "cuda"))
     # the flags TileLang passes nvcc for this kernel (its pass configs)
     fast = _cuda.pass_configs(key).get("tl.enable_fast_math", False)
-    done = subprocess.run([NVCC, "-cubin", "-arch=sm_90a", "-O3", "-std=c++20", f"-I{TILELANG_TEMPLATE_PATH}",
-                           f"-I{CUTLASS_INCLUDE_DIR}", "-Xptxas", "-v", "-keep", "-keep-dir", str(tmp_path), "-o",
-                           str(tmp_path / "k.cubin"), str(tmp_path / "k.cu"), *(["--use_fast_math"] if fast else [])],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            NVCC,
+            "-cubin",
+            "-arch=sm_90a",
+            "-O3",
+            "-std=c++20",
+            f"-I{TILELANG_TEMPLATE_PATH}",
+            f"-I{CUTLASS_INCLUDE_DIR}",
+            "-Xptxas",
+            "-v",
+            "-keep",
+            "-keep-dir",
+            str(tmp_path),
+            "-o",
+            str(tmp_path / "k.cubin"),
+            str(tmp_path / "k.cu"),
+            *(["--use_fast_math"] if fast else []),
+        ],
+        capture_output=True,
+        text=True,
+    )
     log = done.stdout + done.stderr
     assert done.returncode == 0, log
     assert (tmp_path / "k.cubin").stat().st_size > 1000
@@ -296,8 +356,15 @@ def test_cuda_sources_compile_for_sm90a(key, tmp_path):
         assert fast and "ex2.approx.ftz.f32" in ptx and not re.search(r"ex2\.approx\.f32", ptx)
 
 
-@pytest.mark.parametrize("key", sweep([k for k in attn_suite_keys("cuda") if k.family.endswith("_ws")],
-                                     keep=lambda k: k in SUITE_WS_SAMPLE, ids=lambda k: k.name), ids=lambda k: k.name)
+@pytest.mark.parametrize(
+    "key",
+    sweep(
+        [k for k in attn_suite_keys("cuda") if k.family.endswith("_ws")],
+        keep=lambda k: k in SUITE_WS_SAMPLE,
+        ids=lambda k: k.name,
+    ),
+    ids=lambda k: k.name,
+)
 def test_gpu_suite_ws_kernels_lower(key):
     # every warp-specialized kernel the GPU suite runs lowers for sm_90a on the CPU: TileLang's barrier
     # planner refuses some loop forms in some geometries only ("Cannot lower a required shared-memory
@@ -310,8 +377,15 @@ def test_gpu_suite_ws_kernels_lower(key):
 UNNAMED_BUFFER = re.compile(r"(?:void\*|auto|uint64_t)\s+v(?:_\d+)?(?:_mem)?\b")
 
 
-@pytest.mark.parametrize("key", sweep([k for k in attn_suite_keys("cuda") if k.family.endswith("_ws")],
-                                     keep=lambda k: k in SUITE_WS_SAMPLE, ids=lambda k: k.name), ids=lambda k: k.name)
+@pytest.mark.parametrize(
+    "key",
+    sweep(
+        [k for k in attn_suite_keys("cuda") if k.family.endswith("_ws")],
+        keep=lambda k: k in SUITE_WS_SAMPLE,
+        ids=lambda k: k.name,
+    ),
+    ids=lambda k: k.name,
+)
 def test_every_shared_buffer_has_a_name(key):
     # TileLang numbers buffers of the same (default) name in an order that changes from one process to
     # the next, and the generated kernel changes with it: which raw stage sits where in shared memory,
@@ -323,10 +397,12 @@ def test_every_shared_buffer_has_a_name(key):
 @LOWERING
 def test_lowering_is_the_same_in_every_process():
     # kernels that came out differently from process to process before their buffers were named
-    code = ("from sparse_dsa_ops import _cuda; import hashlib; "
-            "keys = _cuda.attn_keys('fp8', 256, 0, 64, 256 ** -0.5, False, target='cuda', q_fp8=True)[:2] "
-            "+ _cuda.attn_keys('packed', 256, 64, 64, 320 ** -0.5, False, target='cuda')[:1]; "
-            "print(*(hashlib.sha256(_cuda.lower_source(k, 'cuda').encode()).hexdigest() for k in keys))")
+    code = (
+        "from sparse_dsa_ops import _cuda; import hashlib; "
+        "keys = _cuda.attn_keys('fp8', 256, 0, 64, 256 ** -0.5, False, target='cuda', q_fp8=True)[:2] "
+        "+ _cuda.attn_keys('packed', 256, 64, 64, 320 ** -0.5, False, target='cuda')[:1]; "
+        "print(*(hashlib.sha256(_cuda.lower_source(k, 'cuda').encode()).hexdigest() for k in keys))"
+    )
     runs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(3)]
     outs = {run.communicate()[0] for run in runs}
     assert all(run.returncode == 0 for run in runs) and len(outs) == 1, outs
@@ -348,8 +424,11 @@ SPLIT_PLANS = [
 ]
 
 
-@pytest.mark.parametrize("tokens, heads, topk, min_blocks, splits", SPLIT_PLANS,
-                         ids=[f"T{t}-h{h}-k{k}-min{m}" for t, h, k, m, _ in SPLIT_PLANS])
+@pytest.mark.parametrize(
+    "tokens, heads, topk, min_blocks, splits",
+    SPLIT_PLANS,
+    ids=[f"T{t}-h{h}-k{k}-min{m}" for t, h, k, m, _ in SPLIT_PLANS],
+)
 def test_decode_split_plan(tokens, heads, topk, min_blocks, splits):
     plan = _cuda.plan_splits(tokens, heads, topk, 132, min_blocks)
     assert plan == splits
@@ -365,32 +444,50 @@ def test_decode_split_plan(tokens, heads, topk, min_blocks, splits):
         assert all(per_split(n) > per_split(plan) for n in range(1, plan))
 
 
-@pytest.mark.parametrize("kind, geo, tokens, topk, target, plan", [
-    ("bf16", "glm-256+0-h64", 1, 2048, "cuda", "attn_decode_ws x16 + combine"),
-    ("bf16", "glm-256+0-h64", 17, 2112, "cuda", "attn_decode_ws x7 + combine"),  # 5 blocks per split
-    ("bf16", "deepseek-512+64-h128", 1, 2048, "cuda", "attn_decode_ws x16 + combine"),
-    ("packed", "glm-256+0-h64", 1, 2048, "cuda", "attn_decode_ws x16 + combine"),  # staged FP8 rows
-    ("packed", "deepseek-512+64-h128", 1, 2048, "cuda", "attn_decode_ws x16 + combine"),  # widened in place
-    ("packed", "glm-256+0-h64", 17, 2112, "cuda", "attn_decode_ws x7 + combine"),
-    ("packed", "deepseek-512+64-h128", 256, 2048, "cuda", "attn_prefill_ws"),
-    ("bf16", "glm-256+0-h64", 1, 2048, "hip", "attn_decode x32 + combine"),  # no warp specialization
-    # 16 heads (a tensor-parallel shard): the warp-specialized kernels over a padded head block
-    ("bf16", "512+0-h16", 300, 2048, "cuda", "attn_prefill_ws"),
-    # the persistent GLM packed prefill: the tokens of its last, partial round take the split path (4 after 31
-    # rounds of 132 64-head tokens, in 16 splits; 36 after 2 rounds, in 3; 4 after 62 rounds of 66 128-head
-    # tokens), unless their top-k ranges are short or the split path would split them in fewer than 3 parts
-    ("packed", "glm-256+0-h64", 4096, 2048, "cuda", "attn_prefill_ws + attn_decode_ws x16 + combine (last 4 tokens)"),
-    ("packed", "glm-256+0-h64", 300, 2048, "cuda", "attn_prefill_ws + attn_decode_ws x3 + combine (last 36 tokens)"),
-    ("packed", (256, 0, 128), 4096, 2048, "cuda", "attn_prefill_ws + attn_decode_ws x16 + combine (last 4 tokens)"),
-    ("packed", "glm-256+0-h64", 4092, 2048, "cuda", "attn_prefill_ws"),  # 31 whole rounds
-    ("packed", "glm-256+0-h64", 4096, 512, "cuda", "attn_prefill_ws"),  # items too short to split off
-    ("packed", "glm-256+0-h64", 4200, 2048, "cuda", "attn_prefill_ws"),  # 108 tokens left: no split
-    ("packed", "glm-256+0-h64", 190, 2048, "cuda", "attn_prefill_ws"),  # 58 tokens left: only 2 splits
-    ("bf16", "deepseek-512+64-h128", 4096, 2048, "cuda", "attn_prefill_ws"),  # one CTA per item: every token
-    ("packed", "glm-256+0-h64", 4096, 2048, "hip", "attn_prefill"),
-    ("packed", "512+0-h16", 1, 2048, "cuda", "attn_decode_ws x16 + combine"),
-    ("bf16", "512+0-h16", 1, 2048, "hip", "attn_decode x32 + combine"),
-], ids=lambda v: "{}+{}-h{}".format(*v) if isinstance(v, tuple) else None)
+@pytest.mark.parametrize(
+    "kind, geo, tokens, topk, target, plan",
+    [
+        ("bf16", "glm-256+0-h64", 1, 2048, "cuda", "attn_decode_ws x16 + combine"),
+        ("bf16", "glm-256+0-h64", 17, 2112, "cuda", "attn_decode_ws x7 + combine"),  # 5 blocks per split
+        ("bf16", "deepseek-512+64-h128", 1, 2048, "cuda", "attn_decode_ws x16 + combine"),
+        ("packed", "glm-256+0-h64", 1, 2048, "cuda", "attn_decode_ws x16 + combine"),  # staged FP8 rows
+        ("packed", "deepseek-512+64-h128", 1, 2048, "cuda", "attn_decode_ws x16 + combine"),  # widened in place
+        ("packed", "glm-256+0-h64", 17, 2112, "cuda", "attn_decode_ws x7 + combine"),
+        ("packed", "deepseek-512+64-h128", 256, 2048, "cuda", "attn_prefill_ws"),
+        ("bf16", "glm-256+0-h64", 1, 2048, "hip", "attn_decode x32 + combine"),  # no warp specialization
+        # 16 heads (a tensor-parallel shard): the warp-specialized kernels over a padded head block
+        ("bf16", "512+0-h16", 300, 2048, "cuda", "attn_prefill_ws"),
+        # the persistent GLM packed prefill: the tokens of its last, partial round take the split path (4 after 31
+        # rounds of 132 64-head tokens, in 16 splits; 36 after 2 rounds, in 3; 4 after 62 rounds of 66 128-head
+        # tokens), unless their top-k ranges are short or the split path would split them in fewer than 3 parts
+        (
+            "packed",
+            "glm-256+0-h64",
+            4096,
+            2048,
+            "cuda",
+            "attn_prefill_ws + attn_decode_ws x16 + combine (last 4 tokens)",
+        ),
+        (
+            "packed",
+            "glm-256+0-h64",
+            300,
+            2048,
+            "cuda",
+            "attn_prefill_ws + attn_decode_ws x3 + combine (last 36 tokens)",
+        ),
+        ("packed", (256, 0, 128), 4096, 2048, "cuda", "attn_prefill_ws + attn_decode_ws x16 + combine (last 4 tokens)"),
+        ("packed", "glm-256+0-h64", 4092, 2048, "cuda", "attn_prefill_ws"),  # 31 whole rounds
+        ("packed", "glm-256+0-h64", 4096, 512, "cuda", "attn_prefill_ws"),  # items too short to split off
+        ("packed", "glm-256+0-h64", 4200, 2048, "cuda", "attn_prefill_ws"),  # 108 tokens left: no split
+        ("packed", "glm-256+0-h64", 190, 2048, "cuda", "attn_prefill_ws"),  # 58 tokens left: only 2 splits
+        ("bf16", "deepseek-512+64-h128", 4096, 2048, "cuda", "attn_prefill_ws"),  # one CTA per item: every token
+        ("packed", "glm-256+0-h64", 4096, 2048, "hip", "attn_prefill"),
+        ("packed", "512+0-h16", 1, 2048, "cuda", "attn_decode_ws x16 + combine"),
+        ("bf16", "512+0-h16", 1, 2048, "hip", "attn_decode x32 + combine"),
+    ],
+    ids=lambda v: "{}+{}-h{}".format(*v) if isinstance(v, tuple) else None,
+)
 def test_attention_plan(kind, geo, tokens, topk, target, plan):
     d_v, d_rope, heads = ATTN[geo] if isinstance(geo, str) else geo
     got = _cuda.plan_attn(kind, d_v, d_rope, heads, (d_v + d_rope) ** -0.5, False, False, tokens, topk, 132, target)
@@ -405,7 +502,7 @@ def test_attention_plan(kind, geo, tokens, topk, target, plan):
         # the split kernel's partial output has whole head blocks of its kernel (64 heads when
         # warp-specialized, else 16 at 16 heads), and the combine is built for the same rows
         block = 64 if got.split[0].family == "attn_decode_ws" else head_block(heads)
-        assert got.partial_heads == got.split[1].spec[2] == -(-heads // block) * block
+        assert got.partial_heads == got.split[1].partial_heads == -(-heads // block) * block
 
 
 @pytest.fixture
@@ -428,9 +525,16 @@ def test_misaligned_inputs_reach_the_kernels_as_aligned_copies(launches, offset)
     lengths = torch.tensor([0, 5, 64], dtype=torch.int32)
     kv = torch.zeros(8, 264, dtype=torch.uint8)
     int_offset = offset if offset % 4 == 0 else 4  # (int32 views need 4-byte steps)
-    _gpu("sparse_attn", at_offset(q, offset), kv, at_offset(idx, int_offset), 256**-0.5, 256,
-                      at_offset(lengths, int_offset))
-    (_, got), = launches
+    _gpu(
+        "sparse_attn",
+        at_offset(q, offset),
+        kv,
+        at_offset(idx, int_offset),
+        256**-0.5,
+        256,
+        at_offset(lengths, int_offset),
+    )
+    ((_, got),) = launches
     assert all(t.data_ptr() % 16 == 0 for t in got[:4] if isinstance(t, torch.Tensor))
     assert torch.equal(got[0], q) and torch.equal(got[2], idx) and torch.equal(got[3], lengths)
     assert got[1] is kv or got[1].data_ptr() == kv.data_ptr()  # the pool is never copied
@@ -469,14 +573,17 @@ def test_last_partial_round_takes_the_split_path(launches, heads, t_count, main)
     assert merged[3].data_ptr() == lse[main:].data_ptr() and merged[3].shape == (5, heads)
 
 
-@pytest.mark.parametrize("row_bytes, offset, ok", [
-    (264, 8, True),  # a 264-byte pool sliced by one row: rows start 8 bytes past 16-byte boundaries anyway
-    (392, 8, True),
-    (264, 4, False),
-    (656, 8, False),  # 656-byte rows all start on 16-byte boundaries in an aligned pool
-    (528, 8, False),
-    (656, 0, True),
-])
+@pytest.mark.parametrize(
+    "row_bytes, offset, ok",
+    [
+        (264, 8, True),  # a 264-byte pool sliced by one row: rows start 8 bytes past 16-byte boundaries anyway
+        (392, 8, True),
+        (264, 4, False),
+        (656, 8, False),  # 656-byte rows all start on 16-byte boundaries in an aligned pool
+        (528, 8, False),
+        (656, 0, True),
+    ],
+)
 def test_pools_must_start_where_a_row_can(launches, row_bytes, offset, ok):
     lay = KCacheLayout.from_row_bytes(row_bytes)
     pool = at_offset(torch.zeros(16, row_bytes, dtype=torch.uint8), offset)
@@ -502,12 +609,13 @@ def test_pools_must_start_where_a_row_can(launches, row_bytes, offset, ok):
     # dequant_k_cache reads the whole input: a misaligned one is copied instead
     launches.clear()
     _gpu("dequant_k_cache", pool)
-    (_, (rows, _)), = launches
+    ((_, (rows, _)),) = launches
     assert rows.data_ptr() % 16 == 0 and torch.equal(rows, pool)
 
 
-@pytest.mark.parametrize("kind, path",
-                         [("bf16", "attn_prefill_ws"), ("packed", "attn_prefill"), ("fp8", "attn_prefill")])
+@pytest.mark.parametrize(
+    "kind, path", [("bf16", "attn_prefill_ws"), ("packed", "attn_prefill"), ("fp8", "attn_prefill")]
+)
 def test_ws_kernels_need_whole_chunks_per_half(kind, path):
     # 384 + 0 (a 396-byte packed row): a half of a bf16 row is three 16-byte chunks of each of the
     # eight threads of a row, but a half of an FP8 row (192 values) is not whole 16-value chunks, and
@@ -586,19 +694,32 @@ def test_inplace_producer_schedule(kind, path):
         assert f"ready{stage}[0].init({256 if wg1_widens else 128});" in source(key, "cuda")
 
 
-@pytest.mark.parametrize("name, kind, path, paired, halves", [
-    # FP8 rows: the producer bounds the kernel
-    pytest.param("deepseek-512+64-h128", "packed", "prefill", False, False, id="deepseek-packed-prefill-single"),
-    pytest.param("glm-256+0-h64", "packed", "prefill", False, False, id="glm-packed-prefill-single", marks=LOWERING),
-    # prefill of narrow bf16 rows: 128-row blocks in pairs; its split kernel
-    pytest.param("glm-256+0-h64", "bf16", "prefill", True, False, id="glm-bf16-prefill-paired", marks=LOWERING),
-    pytest.param("glm-256+0-h64", "bf16", "split", False, False, id="glm-bf16-split-single", marks=LOWERING),
-    # 64-row blocks in pairs, FlashMLA's pipeline
-    pytest.param("deepseek-512+64-h128", "bf16", "prefill", True, True, id="deepseek-bf16-prefill-paired-halves",
-                 marks=LOWERING),
-    pytest.param("deepseek-512+64-h128", "bf16", "split", False, False, id="deepseek-bf16-split-single",
-                 marks=LOWERING),
-])
+@pytest.mark.parametrize(
+    "name, kind, path, paired, halves",
+    [
+        # FP8 rows: the producer bounds the kernel
+        pytest.param("deepseek-512+64-h128", "packed", "prefill", False, False, id="deepseek-packed-prefill-single"),
+        pytest.param(
+            "glm-256+0-h64", "packed", "prefill", False, False, id="glm-packed-prefill-single", marks=LOWERING
+        ),
+        # prefill of narrow bf16 rows: 128-row blocks in pairs; its split kernel
+        pytest.param("glm-256+0-h64", "bf16", "prefill", True, False, id="glm-bf16-prefill-paired", marks=LOWERING),
+        pytest.param("glm-256+0-h64", "bf16", "split", False, False, id="glm-bf16-split-single", marks=LOWERING),
+        # 64-row blocks in pairs, FlashMLA's pipeline
+        pytest.param(
+            "deepseek-512+64-h128",
+            "bf16",
+            "prefill",
+            True,
+            True,
+            id="deepseek-bf16-prefill-paired-halves",
+            marks=LOWERING,
+        ),
+        pytest.param(
+            "deepseek-512+64-h128", "bf16", "split", False, False, id="deepseek-bf16-split-single", marks=LOWERING
+        ),
+    ],
+)
 def test_paired_consumers(name, kind, path, paired, halves):
     # paired consumers: warpgroup 1 scores a block of its own and multiplies its own probabilities
     # from registers; the row sums pass between the consumers outside TileLang's shared buffers
@@ -612,7 +733,7 @@ def test_paired_consumers(name, kind, path, paired, halves):
     if halves:
         first = roles[0]
         pv = first.index("(&(((bfloat16_t*)p1_s)[0]))")
-        tail = first[pv:first.index("wait_wgmma<1>", pv)]
+        tail = first[pv : first.index("wait_wgmma<1>", pv)]
         assert tail.count("wgmma_ss<") == 2 and "kv_l0" in tail
     if paired:
         # warpgroup 1 hands over its probabilities only after it issued its PV GEMM over warpgroup
@@ -630,8 +751,9 @@ def test_register_budgets_fit_the_launch():
         check_ws_nreg(budgets, producers)
 
 
-@pytest.mark.parametrize("nreg", [(232, 160, 112), (240, 168, 104), (160, 200, 80)],
-                         ids=lambda nreg: "-".join(map(str, nreg)))
+@pytest.mark.parametrize(
+    "nreg", [(232, 160, 112), (240, 168, 104), (160, 200, 80)], ids=lambda nreg: "-".join(map(str, nreg))
+)
 def test_ws_register_budgets_must_fit_the_launch(nreg):
     # a CTA of 384 threads launches with 168 registers a thread: setmaxnreg raises the consumers' budgets
     # from there and lowers the producer's, so a consumer budget under 168 is an illegal instruction and
@@ -653,7 +775,8 @@ def test_producer_rows_and_lanes(quarters):
 
     threads = 256
     assert sorted(ws_row_lane(tx, quarters) for tx in range(threads)) == [
-        (row, lane) for row in range(threads // 8) for lane in range(8)]
+        (row, lane) for row in range(threads // 8) for lane in range(8)
+    ]
     for first in range(0, threads, 8):
         for half in (0, 1):
             groups = set()
@@ -664,15 +787,18 @@ def test_producer_rows_and_lanes(quarters):
             assert len(groups) == (8 if quarters else 4)
 
 
-@pytest.mark.parametrize("name, kind, path, quarters", [
-    ("glm-256+0-h64", "bf16", "prefill", False),  # bf16 rows: cp.async straight into the stage
-    ("glm-256+0-h64", "packed", "prefill", True),  # the prefill over bulk-copied packed rows
-    ("glm-256+0-h64", "packed", "split", True),  # its split kernel
-    ("glm-256+0-h64", "fp8", "prefill", True),
-    ("deepseek-512+64-h128", "packed", "prefill", True),  # in place: the DeepSeek packed decode of T 256 runs here
-    ("deepseek-512+64-h128", "packed", "split", True),
-    ("deepseek-512+64-h128", "fp8", "prefill", True),
-])
+@pytest.mark.parametrize(
+    "name, kind, path, quarters",
+    [
+        ("glm-256+0-h64", "bf16", "prefill", False),  # bf16 rows: cp.async straight into the stage
+        ("glm-256+0-h64", "packed", "prefill", True),  # the prefill over bulk-copied packed rows
+        ("glm-256+0-h64", "packed", "split", True),  # its split kernel
+        ("glm-256+0-h64", "fp8", "prefill", True),
+        ("deepseek-512+64-h128", "packed", "prefill", True),  # in place: the DeepSeek packed decode of T 256 runs here
+        ("deepseek-512+64-h128", "packed", "split", True),
+        ("deepseek-512+64-h128", "fp8", "prefill", True),
+    ],
+)
 def test_quarter_warp_rows(name, kind, path, quarters):
     # which warp-specialized kernels map producer threads to rows by quarter warps (ws_quarters;
     # measured choices, BENCHMARKS.md)
@@ -681,33 +807,39 @@ def test_quarter_warp_rows(name, kind, path, quarters):
     key = attn_keys(name, kind)[PATHS[path]]
     split = path == "split"
     assert key.family.endswith("_ws")
-    assert ws_quarters(key.spec, split, ws_block(key.spec, split)) is quarters
+    assert ws_quarters(key.geo, split, ws_block(key.geo, split)) is quarters
 
 
-@pytest.mark.parametrize("name, kind, path, rows", [
-    ("glm-256+0-h64", "bf16", "prefill", 128),
-    ("glm-256+0-h64", "fp8", "prefill", 128),  # native FP8 rows: two 64-row raw copies fill a 128-row stage
-    ("glm-256+0-h64", "packed", "prefill", 128),  # bulk-copied rows (measured slower at 128 with cp.async copies)
-    ("glm-256+0-h64", "packed", "split", 64),
-    ("glm-256+0-h64", "fp8", "split", 64),  # split kernels: whole 64-row blocks
-    ("deepseek-512+64-h128", "fp8", "prefill", 64),
-    ("deepseek-512+64-h128", "bf16", "prefill", 64),
-])
+@pytest.mark.parametrize(
+    "name, kind, path, rows",
+    [
+        ("glm-256+0-h64", "bf16", "prefill", 128),
+        ("glm-256+0-h64", "fp8", "prefill", 128),  # native FP8 rows: two 64-row raw copies fill a 128-row stage
+        ("glm-256+0-h64", "packed", "prefill", 128),  # bulk-copied rows (measured slower at 128 with cp.async copies)
+        ("glm-256+0-h64", "packed", "split", 64),
+        ("glm-256+0-h64", "fp8", "split", 64),  # split kernels: whole 64-row blocks
+        ("deepseek-512+64-h128", "fp8", "prefill", 64),
+        ("deepseek-512+64-h128", "bf16", "prefill", 64),
+    ],
+)
 def test_ws_block_rows(name, kind, path, rows):
     from csrc_tl.sparse_attn import ws_block
 
     key = attn_keys(name, kind)[PATHS[path]]
-    assert ws_block(key.spec, path == "split") == rows
+    assert ws_block(key.geo, path == "split") == rows
 
 
-@pytest.mark.parametrize("d_v, d_rope, kind, split, bulk", [
-    (256, 0, "packed", False, True),  # GLM's packed prefill
-    (256, 0, "packed", True, False),  # its split kernels: cp.async (measured faster there)
-    (256, 64, "packed", False, False),  # the 392-byte row: a tail (copied in 8-byte pieces)
-    (256, 0, "fp8", False, False),  # native FP8 rows: 16-byte aligned, cp.async of 16 bytes
-    (512, 64, "packed", False, False),  # widened in place
-    (512, 0, "packed", False, False),
-])
+@pytest.mark.parametrize(
+    "d_v, d_rope, kind, split, bulk",
+    [
+        (256, 0, "packed", False, True),  # GLM's packed prefill
+        (256, 0, "packed", True, False),  # its split kernels: cp.async (measured faster there)
+        (256, 64, "packed", False, False),  # the 392-byte row: a tail (copied in 8-byte pieces)
+        (256, 0, "fp8", False, False),  # native FP8 rows: 16-byte aligned, cp.async of 16 bytes
+        (512, 64, "packed", False, False),  # widened in place
+        (512, 0, "packed", False, False),
+    ],
+)
 def test_bulk_copied_rows(d_v, d_rope, kind, split, bulk):
     # which staged producers copy each row by one TMA bulk copy (ws_bulk)
     from csrc_tl.sparse_attn import AttnGeometry, ws_block, ws_bulk
@@ -732,8 +864,7 @@ def test_staged_producer_parts_per_stage(kind, parts):
         # CTA (four a pair of 128-row stages) waits on raw stage k % 2 for its use k // 2, so for its parity
         bars = re.findall(r"(\w+)\[0\]\.init\(64\);", kernel_body(source(key, "cuda")))
         assert len(bars) == 2
-        landed = [(bar, parity) for bar, parity in re.findall(r"(\w+)\[0\]\.wait\(([^;]*)\);", producer)
-                  if bar in bars]
+        landed = [(bar, parity) for bar, parity in re.findall(r"(\w+)\[0\]\.wait\(([^;]*)\);", producer) if bar in bars]
         assert len(landed) == 4 and landed[0][0] != landed[1][0]
         assert [bar for bar, _ in landed] == [landed[0][0], landed[1][0]] * 2
         for pair in range(3):
@@ -742,9 +873,13 @@ def test_staged_producer_parts_per_stage(kind, parts):
     assert producer.count("fence_proxy_async") == 2
 
 
-# prefill kernels that are not persistent (their keys carry no CTA count)
-NOT_PERSISTENT = [("deepseek-512+64-h128", "packed"), ("glm-256+0-h64", "fp8"), ("glm-256+0-h64", "bf16"),
-                  ("512+0-h16", "packed")]
+# prefill kernels that are not persistent (their keys carry no CTA count: ctas 0)
+NOT_PERSISTENT = [
+    ("deepseek-512+64-h128", "packed"),
+    ("glm-256+0-h64", "fp8"),
+    ("glm-256+0-h64", "bf16"),
+    ("512+0-h16", "packed"),
+]
 
 
 def test_persistent_prefill_keys():
@@ -753,11 +888,11 @@ def test_persistent_prefill_keys():
     from csrc_tl.sparse_attn import DEFAULT_CTAS, AttnGeometry, ws_persistent
 
     key = attn_keys("glm-256+0-h64", "packed")[0]
-    assert key.family == "attn_prefill_ws" and key.flags == (DEFAULT_CTAS,)
+    assert key.family == "attn_prefill_ws" and key.ctas == DEFAULT_CTAS
     shard = _cuda.attn_keys("packed", 256, 0, 8, 256**-0.5, True, target="cuda", sm_count=78)
-    assert shard[0].flags == (78,) and shard[1].flags == () and "; 78]" in shard[0].name
+    assert shard[0].ctas == 78 and shard[1].ctas == 0 and shard[0].name.endswith("_c78")
     for name, kind in NOT_PERSISTENT:
-        assert attn_keys(name, kind)[0].flags == (), name
+        assert attn_keys(name, kind)[0].ctas == 0, name
     assert not ws_persistent(AttnGeometry(256, 0, 64, "packed", False, 0.1), split=True)
     # the default run's prefill (the one test_attention_sources lowers) has no loop over items
     assert "dsa_bar_sync(13" not in source(attn_keys(*NOT_PERSISTENT[0])[0], "cuda")

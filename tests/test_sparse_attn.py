@@ -47,8 +47,9 @@ def test_bf16_heads(gen, geo, heads):
     q = torch.randn(t_count, heads, geo.d_qk, generator=gen).bfloat16()
     sm_scale = geo.d_qk**-0.5
     out, lse = dsa.sparse_attn(q, kv, idx, sm_scale, geo.d_nope)
-    check_against_brute(out, lse, q, lambda s: kv[s].double() if 0 <= s < NUM_SLOTS else None, idx, sm_scale,
-                        geo.d_nope)
+    check_against_brute(
+        out, lse, q, lambda s: kv[s].double() if 0 <= s < NUM_SLOTS else None, idx, sm_scale, geo.d_nope
+    )
 
 
 @pytest.mark.parametrize("topk", [64, 192, 2048, 2112])
@@ -61,8 +62,9 @@ def test_bf16_topk_and_lengths(gen, geo, topk):
     kv = bf16_pool(gen, geo, unselected_slots(idx, NUM_SLOTS, lengths))
     q = torch.randn(t_count, heads, geo.d_qk, generator=gen).bfloat16()
     out, lse = dsa.sparse_attn(q, kv, idx, 0.05, geo.d_nope, lengths)
-    check_against_brute(out, lse, q, lambda s: kv[s].double() if 0 <= s < NUM_SLOTS else None, idx, 0.05,
-                        geo.d_nope, lengths)
+    check_against_brute(
+        out, lse, q, lambda s: kv[s].double() if 0 <= s < NUM_SLOTS else None, idx, 0.05, geo.d_nope, lengths
+    )
     assert (lse[1] == -math.inf).all()
 
 
@@ -92,8 +94,7 @@ def test_native_fp8(gen, geo, q_dtype):
     kv.view(torch.uint8)[unselected_slots(idx, NUM_SLOTS)] = 0x7F  # NaN
     q = torch.randn(t_count, heads, geo.d_qk, generator=gen).to(q_dtype)
     out, lse = dsa.sparse_attn(q, kv, idx, 0.05, geo.d_nope)
-    check_against_brute(out, lse, q, lambda s: kv[s].double() if 0 <= s < NUM_SLOTS else None, idx, 0.05,
-                        geo.d_nope)
+    check_against_brute(out, lse, q, lambda s: kv[s].double() if 0 <= s < NUM_SLOTS else None, idx, 0.05, geo.d_nope)
 
 
 def test_duplicates_count_each_time(gen):
@@ -108,11 +109,13 @@ def test_duplicates_count_each_time(gen):
 
 def test_empty_pool_and_empty_batch(gen):
     q = torch.randn(2, 4, 256, generator=gen).bfloat16()
-    out, lse = dsa.sparse_attn(q, torch.zeros(0, 256, dtype=torch.bfloat16), torch.zeros(2, 64, dtype=torch.int32),
-                               0.1, 256)
+    out, lse = dsa.sparse_attn(
+        q, torch.zeros(0, 256, dtype=torch.bfloat16), torch.zeros(2, 64, dtype=torch.int32), 0.1, 256
+    )
     assert out.eq(0).all() and (lse == -math.inf).all()
-    out, lse = dsa.sparse_attn(q[:0], torch.zeros(8, 256, dtype=torch.bfloat16), torch.zeros(0, 64, dtype=torch.int32),
-                               0.1, 256)
+    out, lse = dsa.sparse_attn(
+        q[:0], torch.zeros(8, 256, dtype=torch.bfloat16), torch.zeros(0, 64, dtype=torch.int32), 0.1, 256
+    )
     assert out.shape == (0, 4, 256) and lse.shape == (0, 4)
 
 
@@ -133,8 +136,9 @@ def test_deepseek_geometry_chunks_tokens(gen):
     idx = torch.randint(-1, 4096, (64, 2048), generator=gen, dtype=torch.int32)
     out, lse = dsa.sparse_attn(q, kv, idx, 576**-0.5, 512)
     some = [0, 37, 63]
-    check_against_brute(out[some], lse[some], q[some], lambda s: kv[s].double() if s >= 0 else None, idx[some],
-                        576**-0.5, 512)
+    check_against_brute(
+        out[some], lse[some], q[some], lambda s: kv[s].double() if s >= 0 else None, idx[some], 576**-0.5, 512
+    )
 
 
 def test_deterministic(gen):

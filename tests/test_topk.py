@@ -106,8 +106,9 @@ def _starts(gen):
 
 def _k1(gen):
     logits = torch.randint(0, 3, (8, 200), generator=gen).float()  # the largest value repeats
-    return dict(logits=logits, lengths=i32([200, 1, 0, 150, 3, 200, 17, 199]), k=1, starts=i32([0, 0, 0, 7, 197,
-                                                                                                 -3, 60, 1]))
+    return dict(
+        logits=logits, lengths=i32([200, 1, 0, 150, 3, 200, 17, 199]), k=1, starts=i32([0, 0, 0, 7, 197, -3, 60, 1])
+    )
 
 
 def _k4096(gen):
@@ -137,26 +138,45 @@ def _paged(gen):
     table = torch.randint(0, 1000, (2, 11), generator=gen, dtype=torch.int32)
     table[0, 1] = table[1, 5] = -1
     table[1, 0] = INT_MIN
-    return dict(logits=torch.randn(4, w, generator=gen), lengths=i32([700, 200, 130, 0]), k=150, page_table=table,
-                page_size=page, starts=i32([0, 64, 3, 0]))
+    return dict(
+        logits=torch.randn(4, w, generator=gen),
+        lengths=i32([700, 200, 130, 0]),
+        k=150,
+        page_table=table,
+        page_size=page,
+        starts=i32([0, 64, 3, 0]),
+    )
 
 
 def _paged_row_request(gen):
     table = torch.randint(-1, 500, (3, 6), generator=gen, dtype=torch.int32)
-    return dict(logits=torch.randn(7, 96, generator=gen), lengths=i32([96, 50, 17, 96, 96, 96, 40]), k=48,
-                page_table=table, row_request=i32([2, 0, 2, -1, 3, INT_MAX, 1]), page_size=16, out_width=64)
+    return dict(
+        logits=torch.randn(7, 96, generator=gen),
+        lengths=i32([96, 50, 17, 96, 96, 96, 40]),
+        k=48,
+        page_table=table,
+        row_request=i32([2, 0, 2, -1, 3, INT_MAX, 1]),
+        page_size=16,
+        out_width=64,
+    )
 
 
 def _paged_page_one(gen):
     table = torch.randint(-2, 100, (2, 40), generator=gen, dtype=torch.int32)
-    return dict(logits=torch.randn(6, 48, generator=gen), lengths=i32([48, 40, 39, 1, 0, 45]), k=20,
-                page_table=table, page_size=1)
+    return dict(
+        logits=torch.randn(6, 48, generator=gen),
+        lengths=i32([48, 40, 39, 1, 0, 45]),
+        k=20,
+        page_table=table,
+        page_size=1,
+    )
 
 
 def _paged_short_table(gen):
     table = torch.randint(0, 50, (2, 3), generator=gen, dtype=torch.int32)  # three pages of 16 for rows of 80
-    return dict(logits=torch.randn(4, 80, generator=gen), lengths=i32([80, 80, 60, 20]), k=70, page_table=table,
-                page_size=16)
+    return dict(
+        logits=torch.randn(4, 80, generator=gen), lengths=i32([80, 80, 60, 20]), k=70, page_table=table, page_size=16
+    )
 
 
 def _random(gen):
@@ -262,20 +282,27 @@ def _select_slots(logits, lengths, table):
 
 
 def _select_inputs(gen, rows):
-    return dict(logits=torch.randn(rows, 300 + rows, generator=gen).round(),
-                lengths=torch.randint(0, 400, (rows,), generator=gen, dtype=torch.int32),
-                starts=torch.randint(-5, 100, (rows,), generator=gen, dtype=torch.int32))
+    return dict(
+        logits=torch.randn(rows, 300 + rows, generator=gen).round(),
+        lengths=torch.randint(0, 400, (rows,), generator=gen, dtype=torch.int32),
+        starts=torch.randint(-5, 100, (rows,), generator=gen, dtype=torch.int32),
+    )
 
 
 def _slot_inputs(gen, b_count):
     rows = 3 * b_count  # three query rows per request
-    return dict(logits=torch.randn(rows, 160, generator=gen).round(),
-                lengths=torch.randint(0, 170, (rows,), generator=gen, dtype=torch.int32),
-                table=torch.randint(-1, 400, (b_count, 10), generator=gen, dtype=torch.int32))
+    return dict(
+        logits=torch.randn(rows, 160, generator=gen).round(),
+        lengths=torch.randint(0, 170, (rows,), generator=gen, dtype=torch.int32),
+        table=torch.randint(-1, 400, (b_count, 10), generator=gen, dtype=torch.int32),
+    )
 
 
-@pytest.mark.parametrize("step, make, sizes", [(_select, _select_inputs, (2, 3, 5, 9)),
-                                               (_select_slots, _slot_inputs, (2, 4, 5))], ids=["rows", "requests"])
+@pytest.mark.parametrize(
+    "step, make, sizes",
+    [(_select, _select_inputs, (2, 3, 5, 9)), (_select_slots, _slot_inputs, (2, 4, 5))],
+    ids=["rows", "requests"],
+)
 def test_compile_without_recompiles(gen, step, make, sizes):
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
@@ -305,8 +332,12 @@ def _kernels_of(args) -> list:
     rows, width = args["logits"].shape
     plan = dsa._cuda.selection.plan_topk(rows, width, dsa._cuda.selection.sm_count(torch.device("cuda")))
     paged = args.get("page_table") is not None
-    return plan.keys(args["k"], args.get("page_size", 64) if paged else 0, args.get("starts") is not None,
-                     args.get("row_request") is not None)
+    return plan.keys(
+        args["k"],
+        args.get("page_size", 64) if paged else 0,
+        args.get("starts") is not None,
+        args.get("row_request") is not None,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -365,8 +396,12 @@ def test_cuda_topk_large(warm, case):
 def test_cuda_topk_strided_rows_and_starts():
     g = torch.Generator().manual_seed(3)
     buffer = torch.randn(32, 70000, generator=g)
-    args = dict(logits=buffer[:, 100:65636], lengths=torch.randint(0, 65536, (32,), generator=g, dtype=torch.int32),
-                k=2048, starts=torch.randint(-1000, 60000, (32,), generator=g, dtype=torch.int32))
+    args = dict(
+        logits=buffer[:, 100:65636],
+        lengths=torch.randint(0, 65536, (32,), generator=g, dtype=torch.int32),
+        k=2048,
+        starts=torch.randint(-1000, 60000, (32,), generator=g, dtype=torch.int32),
+    )
     want = reference.topk(**args)
     got = dsa.topk(buffer.cuda()[:, 100:65636], args["lengths"].cuda(), 2048, args["starts"].cuda())
     assert torch.equal(got.cpu(), want)

@@ -45,17 +45,32 @@ def signature(src: str) -> str:
 
 
 def test_names_spell_out_the_specialization():
-    keys = [topk.TopkKey(2048), topk.TopkKey(1024), topk.TopkKey(2048, page_size=64),
-            topk.TopkKey(2048, has_starts=True), topk.TopkKey(2048, page_size=64, has_row_request=True),
-            topk.TopkKey(2048, threads=1024), topk.TopkKey(2048, cap=4096),
-            topk.TopkSplitKey(2048, "hist"), topk.TopkSplitKey(2048, "select")]
+    keys = [
+        topk.TopkKey(2048),
+        topk.TopkKey(1024),
+        topk.TopkKey(2048, page_size=64),
+        topk.TopkKey(2048, has_starts=True),
+        topk.TopkKey(2048, page_size=64, has_row_request=True),
+        topk.TopkKey(2048, threads=1024),
+        topk.TopkKey(2048, cap=4096),
+        topk.TopkSplitKey(2048, "hist"),
+        topk.TopkSplitKey(2048, "select"),
+    ]
     assert len({key.name for key in keys}) == len(keys)
     assert topk.TopkKey(4096, page_size=64, has_starts=True).name == "topk_rows_k4096_page64_starts_t512_v4_cap8192"
 
 
-@pytest.mark.parametrize("fields", [dict(k=0), dict(k=topk.MAX_K + 1), dict(k=64, has_row_request=True),
-                                    dict(k=64, threads=96), dict(k=64, threads=64, vec=4)],
-                         ids=["k0", "k-too-big", "requests-without-table", "threads", "tile-scan"])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(k=0),
+        dict(k=topk.MAX_K + 1),
+        dict(k=64, has_row_request=True),
+        dict(k=64, threads=96),
+        dict(k=64, threads=64, vec=4),
+    ],
+    ids=["k0", "k-too-big", "requests-without-table", "threads", "tile-scan"],
+)
 def test_keys_refuse_what_the_kernels_cannot_do(fields):
     with pytest.raises(AssertionError):
         topk.TopkKey(**fields)
@@ -96,13 +111,21 @@ def test_kernels_lower(key, target):
 
 
 def _sweep():
-    variants = [(False, 0, False), (True, 0, False), (False, PAGE, False), (True, PAGE, False), (False, PAGE, True),
-                (True, 1, True)]
+    variants = [
+        (False, 0, False),
+        (True, 0, False),
+        (False, PAGE, False),
+        (True, PAGE, False),
+        (False, PAGE, True),
+        (True, 1, True),
+    ]
     keys = []
     for starts, page, request in variants:
         keys.append(topk.TopkKey(2048, page_size=page, has_starts=starts, has_row_request=request))
-        keys += [topk.TopkSplitKey(1, stage, page_size=page, has_starts=starts, has_row_request=request)
-                 for stage in ("hist", "select")]
+        keys += [
+            topk.TopkSplitKey(1, stage, page_size=page, has_starts=starts, has_row_request=request)
+            for stage in ("hist", "select")
+        ]
     return keys + [topk.TopkKey(4096, threads=1024), topk.TopkKey(1, threads=256, cap=4096)]
 
 
@@ -120,9 +143,24 @@ def test_cuda_sources_compile_without_spills(key, tmp_path):
     from tilelang.env import CUTLASS_INCLUDE_DIR, TILELANG_TEMPLATE_PATH
 
     (tmp_path / "k.cu").write_text(source(key, "cuda"))
-    done = subprocess.run([NVCC, "-cubin", "-arch=sm_90a", "-O3", "-std=c++20", f"-I{TILELANG_TEMPLATE_PATH}",
-                           f"-I{CUTLASS_INCLUDE_DIR}", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"),
-                           str(tmp_path / "k.cu")], capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            NVCC,
+            "-cubin",
+            "-arch=sm_90a",
+            "-O3",
+            "-std=c++20",
+            f"-I{TILELANG_TEMPLATE_PATH}",
+            f"-I{CUTLASS_INCLUDE_DIR}",
+            "-Xptxas",
+            "-v",
+            "-o",
+            str(tmp_path / "k.cubin"),
+            str(tmp_path / "k.cu"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     log = done.stdout + done.stderr
     assert done.returncode == 0, log
     assert not re.search(r"[1-9]\d* bytes spill stores", log), log
@@ -230,8 +268,9 @@ def compiled(key):
     import tilelang
 
     build = topk.build_topk_rows if isinstance(key, topk.TopkKey) else topk.build_topk_split
-    return tilelang.compile(build(key), target="hip" if torch.version.hip else "cuda",
-                            pass_configs=topk.pass_configs(key))
+    return tilelang.compile(
+        build(key), target="hip" if torch.version.hip else "cuda", pass_configs=topk.pass_configs(key)
+    )
 
 
 def inputs(key, out_width, gen):
@@ -242,19 +281,33 @@ def inputs(key, out_width, gen):
     if key.page_size:
         # with row_request: 3 requests (and rows of request -1 and 3); without: 6 requests of 3 rows each
         table, request = hostile_pages(rows, 3 if key.has_row_request else 6, gen)
-    expect = oracle(logits, lengths, key.k, out_width, starts if key.has_starts else None, table,
-                    request if key.has_row_request else None, key.page_size or PAGE)
-    optional = [t.cuda() for t, on in ((starts, key.has_starts), (table, bool(key.page_size)),
-                                      (request, key.has_row_request)) if on]
+    expect = oracle(
+        logits,
+        lengths,
+        key.k,
+        out_width,
+        starts if key.has_starts else None,
+        table,
+        request if key.has_row_request else None,
+        key.page_size or PAGE,
+    )
+    optional = [
+        t.cuda()
+        for t, on in ((starts, key.has_starts), (table, bool(key.page_size)), (request, key.has_row_request))
+        if on
+    ]
     big = torch.empty(rows, WIDTH + 37, device="cuda")  # keep the odd row stride and offset on the GPU
     big[:, 7 : 7 + WIDTH] = logits.cuda()
     return big[:, 7 : 7 + WIDTH], lengths.cuda(), optional, expect
 
 
 # (key, output width W')
-GPU_KEYS = [(topk.TopkKey(1, has_starts=True), 64), (topk.TopkKey(4096, has_starts=True), 4096),
-            (topk.TopkKey(2048, page_size=PAGE, has_starts=True, has_row_request=True), 2112),
-            (topk.TopkKey(2048, page_size=PAGE), 2048)]
+GPU_KEYS = [
+    (topk.TopkKey(1, has_starts=True), 64),
+    (topk.TopkKey(4096, has_starts=True), 4096),
+    (topk.TopkKey(2048, page_size=PAGE, has_starts=True, has_row_request=True), 2112),
+    (topk.TopkKey(2048, page_size=PAGE), 2048),
+]
 
 
 @pytest.mark.cuda
@@ -276,8 +329,9 @@ def test_split_kernels_are_exact(gen, key, out_width, chunks):
     fields = {f: getattr(key, f) for f in ("k", "page_size", "has_starts", "has_row_request")}
     from sparse_dsa_ops._cuda.selection import SPLIT_THREADS  # the op's split kernels
 
-    hist, select = (compiled(topk.TopkSplitKey(**fields, stage=stage, threads=SPLIT_THREADS))
-                    for stage in ("hist", "select"))
+    hist, select = (
+        compiled(topk.TopkSplitKey(**fields, stage=stage, threads=SPLIT_THREADS)) for stage in ("hist", "select")
+    )
     logits, lengths, optional, expect = inputs(key, out_width, gen)
     rows = logits.shape[0]
     starts = optional[:1] if key.has_starts else []

@@ -37,7 +37,8 @@ so this adds no error. The FP8 tensor-core path is not used: it would need the p
 FP8 for the PV product (3 mantissa bits, about 6% per entry), and with FP8 rows the kernels are
 bound by the producer's gather and widening, not by the tensor cores (BENCHMARKS.md).
 
-Modules: :mod:`.geometry` (the key), :mod:`.launch` (the launch plan of a call: which of these kernels run, over
+Modules: :mod:`.geometry` (the geometry record), :mod:`.keys` (the kernels' typed keys and their builder),
+:mod:`.launch` (the launch plan of a call: which of these kernels run, over
 which tokens, in how many splits: :func:`plan_launch`), :mod:`.common` (softmax steps and stores shared by the
 kernels), :mod:`.portable` (:func:`build_attn`), :mod:`.combine` (:func:`build_combine`), :mod:`.plan` (the plan record
 of the warp-specialized kernel, :func:`ws_plan`), :mod:`.ws_producer` and :mod:`.ws_consumer` (its warpgroups'
@@ -51,21 +52,71 @@ import importlib
 
 # module -> the names the package exports from it
 _EXPORTS = {
-    "geometry": ("AttnGeometry", "DEFAULT_TILES", "head_block", "partial_heads", "LOG2E", "LN2", "NEG_START",
-                 "MAX_HEAD_BLOCK", "MIN_HEAD_BLOCK"),
-    "launch": ("AttnKernels", "AttnLaunch", "attn_kernels", "plan_launch", "plan_splits", "plan_tail", "PORTABLE",
-               "WARP_SPECIALIZED", "PERSISTENT", "TOPK_BLOCK", "WS_SPLIT_BLOCKS", "TAIL_MIN_BLOCKS",
-               "TAIL_MIN_SPLITS"),
-    "plan": ("DEFAULT_CTAS", "ws_supported", "ws_block", "ws_persistent", "ws_inplace_raw_col", "ws_quarters",
-             "ws_bulk", "ws_staged", "ws_paired_fits", "ws_row_lane", "ws_plan", "WsPlan", "check_ws_nreg", "WS_NREG",
-             "WS_PASS_CONFIGS", "WS_THREADS_PER_ROW", "WS_INPLACE_AHEAD", "WS_RAW_ROWS", "RAW_PAD", "SMEM_LIMIT",
-             "WS_CONSUMER_BARRIER", "WS_STORE_BARRIERS"),
+    "geometry": (
+        "AttnGeometry",
+        "DEFAULT_TILES",
+        "head_block",
+        "partial_heads",
+        "LOG2E",
+        "LN2",
+        "NEG_START",
+        "MAX_HEAD_BLOCK",
+        "MIN_HEAD_BLOCK",
+    ),
+    "launch": (
+        "AttnKernels",
+        "AttnLaunch",
+        "attn_kernels",
+        "plan_launch",
+        "plan_splits",
+        "plan_tail",
+        "PORTABLE",
+        "WARP_SPECIALIZED",
+        "PERSISTENT",
+        "TOPK_BLOCK",
+        "WS_SPLIT_BLOCKS",
+        "TAIL_MIN_BLOCKS",
+        "TAIL_MIN_SPLITS",
+    ),
+    "plan": (
+        "DEFAULT_CTAS",
+        "ws_supported",
+        "ws_block",
+        "ws_persistent",
+        "ws_inplace_raw_col",
+        "ws_quarters",
+        "ws_bulk",
+        "ws_staged",
+        "ws_paired_fits",
+        "ws_row_lane",
+        "ws_plan",
+        "WsPlan",
+        "check_ws_nreg",
+        "WS_NREG",
+        "WS_PASS_CONFIGS",
+        "WS_THREADS_PER_ROW",
+        "WS_INPLACE_AHEAD",
+        "WS_RAW_ROWS",
+        "RAW_PAD",
+        "SMEM_LIMIT",
+        "WS_CONSUMER_BARRIER",
+        "WS_STORE_BARRIERS",
+    ),
+    "keys": ("AttnKey", "CombineKey", "SCHEMES"),
     "portable": ("build_attn",),
     "ws_kernel": ("build_attn_ws",),
     "combine": ("build_combine", "COMBINE_THREADS", "COMBINE_VEC", "COMBINE_CHUNK"),
     "device": ("WS_PRELUDE", "WS_CONVERT", "WS_WIDEN", "WS_COPY", "WS_BULK", "WS_BAR_SYNC", "WS_STORE", "WS_PERSIST"),
-    "common": ("valid_entries", "rescale", "exponentiate", "online_softmax", "reciprocal", "normalize", "store_rows",
-               "load_q"),
+    "common": (
+        "valid_entries",
+        "rescale",
+        "exponentiate",
+        "online_softmax",
+        "reciprocal",
+        "normalize",
+        "store_rows",
+        "load_q",
+    ),
 }
 _HOME = {name: module for module, names in _EXPORTS.items() for name in names}
 

@@ -34,9 +34,12 @@ def build_combine(d_v: int, heads: int, part_heads: int, pdl: bool = False):
     neg_inf = -T.infinity(T.float32)
 
     @T.prim_func
-    def combine(part_out: T.Tensor((t_count, n_split, part_heads, d_v), T.bfloat16),
-                part_lse: T.Tensor((t_count, n_split, heads), T.float32),
-                out: T.Tensor((t_count, heads, d_v), T.bfloat16), lse: T.Tensor((t_count, heads), T.float32)):
+    def combine(
+        part_out: T.Tensor((t_count, n_split, part_heads, d_v), T.bfloat16),
+        part_lse: T.Tensor((t_count, n_split, heads), T.float32),
+        out: T.Tensor((t_count, heads, d_v), T.bfloat16),
+        lse: T.Tensor((t_count, heads), T.float32),
+    ):
         with T.Kernel(T.ceildiv(heads, per_block), t_count, threads=COMBINE_THREADS) as (hx, t):
             if pdl:
                 T.pdl_sync()
@@ -102,4 +105,3 @@ def build_combine(d_v: int, heads: int, part_heads: int, pdl: bool = False):
                     lse[t, h] = T.if_then_else(top[0] != neg_inf, top[0] - T.log(total[0]), neg_inf)
 
     return combine
-

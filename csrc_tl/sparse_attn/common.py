@@ -71,8 +71,7 @@ def normalize(acc_o, lse, m_i, sumexp, scale2):
     block on an H200, which every block pays once at its end (BENCHMARKS.md)."""
     hb, width = acc_o.shape
     for h in T.Parallel(hb):
-        lse[h] = T.if_then_else(sumexp[h] > 0, (T.log2(sumexp[h]) + m_i[h] * scale2) * LN2,
-                                -T.infinity(T.float32))
+        lse[h] = T.if_then_else(sumexp[h] > 0, (T.log2(sumexp[h]) + m_i[h] * scale2) * LN2, -T.infinity(T.float32))
     reciprocal(sumexp, sumexp)
     for h, d in T.Parallel(hb, width):
         acc_o[h, d] = acc_o[h, d] * sumexp[h]
@@ -106,7 +105,7 @@ def store_rows(out, lse, acc_o, stage, row_lse, t, split_id, h0, col0, heads, gr
             if h0 + h < heads:
                 out[t, h0 + h, col0 + d] = stage[h, d]
     elif group is None:
-        T.copy(stage, out[t, split_id, h0:h0 + hb, col0:col0 + width])
+        T.copy(stage, out[t, split_id, h0 : h0 + hb, col0 : col0 + width])
     else:
         per_row = width // 8
         tx = T.get_thread_binding() % group[1]
@@ -114,8 +113,9 @@ def store_rows(out, lse, acc_o, stage, row_lse, t, split_id, h0, col0, heads, gr
             e = i * group[1] + tx
             h, d = e // per_row, e % per_row * 8
             if (hb * per_row) % group[1] == 0 or e < hb * per_row:
-                T.call_extern("handle", "dsa_copy16", T.address_of(out[t, split_id, h0 + h, col0 + d]),
-                              T.address_of(stage[h, d]))
+                T.call_extern(
+                    "handle", "dsa_copy16", T.address_of(out[t, split_id, h0 + h, col0 + d]), T.address_of(stage[h, d])
+                )
     if lse is not None:
         for h in T.Parallel(hb):
             if h0 + h < heads:
@@ -136,8 +136,9 @@ def load_q(q, dst, t, h0, col0, heads, tid, nthreads):
         h, d = e // per_row, e % per_row * 8
         if vecs % nthreads == 0 or e < vecs:
             for v in T.vectorized(8):
-                dst[h, d + v] = T.if_then_else(h0 + h < heads, T.cast(q[t, T.min(h0 + h, heads - 1), col0 + d + v],
-                                                                      dst.dtype), 0)
+                dst[h, d + v] = T.if_then_else(
+                    h0 + h < heads, T.cast(q[t, T.min(h0 + h, heads - 1), col0 + d + v], dst.dtype), 0
+                )
 
 
 def entry(geo: AttnGeometry, attend, t_count, s_count, k_count, out_t, lse_t):
@@ -159,4 +160,3 @@ def entry(geo: AttnGeometry, attend, t_count, s_count, k_count, out_t, lse_t):
         attend(q, kv, indices, None, out, lse)
 
     return sparse_attn
-

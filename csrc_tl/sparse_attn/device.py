@@ -52,9 +52,16 @@ WS_STORE = helper("put_bf16", "bar_sync", "copy16")
 WS_PERSIST = "\n" + helper("bar_sync", "ld_index")
 
 
-def prelude(paired: bool, inplace: bool, halves: bool, bulk: bool, calls_widen: bool, split: bool,
-            persist: bool) -> str | None:
+def prelude(
+    paired: bool, inplace: bool, halves: bool, bulk: bool, calls_widen: bool, split: bool, persist: bool
+) -> str | None:
     """The device helpers a warp-specialized kernel of these plan choices calls (see :class:`WsPlan`), or None."""
-    return ((WS_PRELUDE if paired else "") + (WS_COPY if inplace or halves or bulk else "")
-            + (WS_CONVERT if calls_widen or bulk else "") + (WS_WIDEN if calls_widen else "")
-            + (WS_BULK if bulk else "") + (WS_STORE if split else "") + (WS_PERSIST if persist else "")) or None
+    return (
+        (WS_PRELUDE if paired else "")
+        + (WS_COPY if inplace or halves or bulk else "")
+        + (WS_CONVERT if calls_widen or bulk else "")
+        + (WS_WIDEN if calls_widen else "")
+        + (WS_BULK if bulk else "")
+        + (WS_STORE if split else "")
+        + (WS_PERSIST if persist else "")
+    ) or None

@@ -59,8 +59,10 @@ class AttnGeometry:
 
 
 # Default tile parameters, by path; (block_i, threads, num_stages).
-DEFAULT_TILES = {"prefill": dict(block_i=64, threads=256, num_stages=2), "decode": dict(block_i=64, threads=256,
-                                                                                       num_stages=2)}
+DEFAULT_TILES = {
+    "prefill": dict(block_i=64, threads=256, num_stages=2),
+    "decode": dict(block_i=64, threads=256, num_stages=2),
+}
 
 
 def head_block(heads: int) -> int:
@@ -77,4 +79,3 @@ def partial_heads(heads: int, ws: bool) -> int:
     block stores its whole tile unguarded; the combine reads the first ``heads`` rows."""
     block = MAX_HEAD_BLOCK if ws else head_block(heads)
     return -(-heads // block) * block
-

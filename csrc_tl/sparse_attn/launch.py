@@ -16,8 +16,21 @@ from dataclasses import dataclass
 from .geometry import DEFAULT_TILES, AttnGeometry, head_block, partial_heads
 from .plan import DEFAULT_CTAS, ws_persistent, ws_supported
 
-__all__ = ["PORTABLE", "WARP_SPECIALIZED", "PERSISTENT", "TOPK_BLOCK", "WS_SPLIT_BLOCKS", "TAIL_MIN_BLOCKS",
-           "TAIL_MIN_SPLITS", "AttnKernels", "AttnLaunch", "attn_kernels", "plan_launch", "plan_splits", "plan_tail"]
+__all__ = [
+    "PORTABLE",
+    "WARP_SPECIALIZED",
+    "PERSISTENT",
+    "TOPK_BLOCK",
+    "WS_SPLIT_BLOCKS",
+    "TAIL_MIN_BLOCKS",
+    "TAIL_MIN_SPLITS",
+    "AttnKernels",
+    "AttnLaunch",
+    "attn_kernels",
+    "plan_launch",
+    "plan_splits",
+    "plan_tail",
+]
 
 # The kernels (AttnKernels.prefill, AttnKernels.split): build_attn, build_attn_ws with one CTA per (token, head block)
 # item, build_attn_ws persistent (ws_persistent: a grid of AttnKernels.ctas CTAs walks the items)

@@ -31,8 +31,13 @@ from .geometry import LOG2E, MAX_HEAD_BLOCK, AttnGeometry
 # producer spilled 20 bytes at 88 over 512+0 rows, at 96 none. The split kernels over 512+0 rows keep the old scheme:
 # with topk_length their producer spilled 20 bytes at 96, and every other split of the 504 registers spilled in some
 # geometry (216 / 184 / 104 and 224 / 176 / 104: 4-8 bytes in the 512+64 split kernels).
-WS_NREG = {("paired", 1): (208, 224, 72), ("single", 1): (240, 168, 80), ("single", 2): (208, 144, 80),
-           ("inplace", 1): (240, 168, 88), ("inplace_wg1", 1): (224, 184, 96)}
+WS_NREG = {
+    ("paired", 1): (208, 224, 72),
+    ("single", 1): (240, 168, 80),
+    ("single", 2): (208, 144, 80),
+    ("inplace", 1): (240, 168, 88),
+    ("inplace_wg1", 1): (224, 184, 96),
+}
 
 
 def check_ws_nreg(nreg: tuple[int, int, int], producers: int) -> None:
@@ -135,7 +140,6 @@ def ws_supported(geo: AttnGeometry) -> bool:
     return geo.d_v % width == 0 and geo.d_rope in (0, 64)
 
 
-
 def ws_staged(geo: AttnGeometry, block_i: int = 64) -> bool:
     """Whether :func:`build_attn_ws` stages FP8 rows raw, for blocks of ``block_i`` rows: the producer
     copies the next :data:`WS_RAW_ROWS` rows (or the next block, if smaller) into one of two raw shared
@@ -183,8 +187,14 @@ def ws_bulk(geo: AttnGeometry, split: bool, block_i: int = 64) -> bool:
     (:func:`ws_quarters`) and 128-row blocks (:func:`ws_block`); at 64-row blocks 1610-1614 with quarters,
     1643-1646 without. The split kernels keep ``cp.async``: with bulk copies GLM packed decode T 17 took
     15.0-15.4 against 14.4-14.7 us, T 1 8.3-8.6 against 8.0-8.1."""
-    return (not split and geo.kv_kind == "packed" and geo.d_rope == 0 and ws_staged(geo, block_i)
-            and geo.kv_row_width % 8 == 0 and geo.kv_row_width - geo.d_v >= 8)
+    return (
+        not split
+        and geo.kv_kind == "packed"
+        and geo.d_rope == 0
+        and ws_staged(geo, block_i)
+        and geo.kv_row_width % 8 == 0
+        and geo.kv_row_width - geo.d_v >= 8
+    )
 
 
 def ws_persistent(geo: AttnGeometry, split: bool) -> bool:
@@ -277,12 +287,20 @@ class WsPlan:
     @property
     def prelude(self) -> str | None:
         """The device helpers the kernel calls (:mod:`csrc_tl.sparse_attn.device`), or None."""
-        return device.prelude(self.paired, self.inplace, self.halves, self.bulk, self.calls_widen, self.split,
-                              self.persist)
+        return device.prelude(
+            self.paired, self.inplace, self.halves, self.bulk, self.calls_widen, self.split, self.persist
+        )
 
 
-def ws_plan(geo: AttnGeometry, *, split: bool = False, block_i: int | None = None, producers: int | None = None,
-            nreg: tuple[int, int, int] | None = None, ctas: int = DEFAULT_CTAS) -> WsPlan:
+def ws_plan(
+    geo: AttnGeometry,
+    *,
+    split: bool = False,
+    block_i: int | None = None,
+    producers: int | None = None,
+    nreg: tuple[int, int, int] | None = None,
+    ctas: int = DEFAULT_CTAS,
+) -> WsPlan:
     """The plan of ``build_attn_ws(geo, split=split, ...)`` (same arguments; see there): pure, of the key only."""
     geo.check()
     assert ws_supported(geo), "needs d_v a multiple of 128 (256 for FP8 rows), d_rope 0 or 64"
@@ -348,15 +366,40 @@ def ws_plan(geo: AttnGeometry, *, split: bool = False, block_i: int | None = Non
     # (a persistent kernel's items have a multiple of 4 producer blocks there, so the landing phases restart with each)
     assert not (bulk and persist) or subs % 2 == 0, "persistent bulk copies need stages of an even number of raw blocks"
     return WsPlan(
-        geo=geo, split=split, block_i=block_i, n_prod=n_prod, nreg=nreg, scheme=scheme, ctas=ctas,
-        copies_async=copies_async, staged=staged, inplace=inplace, paired=paired, p0_in_tail=p0_in_tail, halves=halves,
-        lazy_gap=lazy_gap, wg1_widens=wg1_widens, persist=persist, quarters=quarters, bulk=bulk,
+        geo=geo,
+        split=split,
+        block_i=block_i,
+        n_prod=n_prod,
+        nreg=nreg,
+        scheme=scheme,
+        ctas=ctas,
+        copies_async=copies_async,
+        staged=staged,
+        inplace=inplace,
+        paired=paired,
+        p0_in_tail=p0_in_tail,
+        halves=halves,
+        lazy_gap=lazy_gap,
+        wg1_widens=wg1_widens,
+        persist=persist,
+        quarters=quarters,
+        bulk=bulk,
         calls_widen=inplace or (staged and not packed),  # (see widen_raw)
-        half=d_v // 2, hb=hb, groups=-(-heads // hb), scale2=scale2, packed=packed, row_w=row_w,
+        half=d_v // 2,
+        hb=hb,
+        groups=-(-heads // hb),
+        scale2=scale2,
+        packed=packed,
+        row_w=row_w,
         scale_word=geo.layout.scale_offset // 4 if packed else None,
         rope_half=geo.layout.rope_offset // 2 if packed else None,
-        vec=vec, chunks=d_v // (vec * WS_THREADS_PER_ROW), tail_chunks=d_tail // (8 * WS_THREADS_PER_ROW),
-        rows_per_pass=rows_per_pass, block_p=block_p, subs=subs, passes=passes,
+        vec=vec,
+        chunks=d_v // (vec * WS_THREADS_PER_ROW),
+        tail_chunks=d_tail // (8 * WS_THREADS_PER_ROW),
+        rows_per_pass=rows_per_pass,
+        block_p=block_p,
+        subs=subs,
+        passes=passes,
         # a bulk-copied row may land 8 bytes into its slot, with 8 more bytes after its values
         raw_w=d_v + (16 if bulk else RAW_PAD if quarters else 0),
         # each producer thread arrives once, or twice with cp.async; and warpgroup 1's threads where they widen

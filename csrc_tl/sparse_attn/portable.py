@@ -59,8 +59,9 @@ def build_attn(geo: AttnGeometry, *, split: bool, block_i: int = 64, threads: in
                 q_s[h, d] = T.if_then_else(h0 + h < heads, T.cast(q[t, T.min(h0 + h, heads - 1), d], dtype), 0)
             if d_tail:
                 for h, d in T.Parallel(hb, d_tail):
-                    qt_s[h, d] = T.if_then_else(h0 + h < heads, T.cast(q[t, T.min(h0 + h, heads - 1), d_v + d], dtype),
-                                                0)
+                    qt_s[h, d] = T.if_then_else(
+                        h0 + h < heads, T.cast(q[t, T.min(h0 + h, heads - 1), d_v + d], dtype), 0
+                    )
 
             for blk in T.Pipelined(first, last, num_stages=num_stages):
                 for j in T.Parallel(block_i):
@@ -74,8 +75,11 @@ def build_attn(geo: AttnGeometry, *, split: bool, block_i: int = 64, threads: in
                     for j, d in T.Parallel(block_i, d_v):
                         kv_s[j, d] = T.if_then_else(
                             ok_s[j] != 0,
-                            T.cast(T.cast(values[idx_s[j], d], acc) * scales[idx_s[j], scale_word + d // QUANT_TILE],
-                                   dtype), 0)
+                            T.cast(
+                                T.cast(values[idx_s[j], d], acc) * scales[idx_s[j], scale_word + d // QUANT_TILE], dtype
+                            ),
+                            0,
+                        )
                     if d_tail:
                         tails = T.view(kv, (s_count, row_w // 2), dtype)
                         for j, d in T.Parallel(block_i, d_tail):
@@ -108,4 +112,3 @@ def build_attn(geo: AttnGeometry, *, split: bool, block_i: int = 64, threads: in
         out_t = T.Tensor((t_count, heads, d_v), dtype)
         lse_t = T.Tensor((t_count, heads), acc)
     return entry(geo, attend, t_count, s_count, k_count, out_t, lse_t)
-

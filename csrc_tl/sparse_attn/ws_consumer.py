@@ -170,7 +170,8 @@ def _consume0_single(plan: WsPlan, items: SimpleNamespace, scores: SimpleNamespa
             base[0] = 0
         for i in work_items(c.n_items):
             t_i, h0_i, first_i, stop_i, n_blk_i, pairs_i, walk_i = work(
-                c.bx, c.by, i, c.topk_length, c.t, c.h0, c.first, c.stop, c.n_blk, c.pairs, c.walk)
+                c.bx, c.by, i, c.topk_length, c.t, c.h0, c.first, c.stop, c.n_blk, c.pairs, c.walk
+            )
             if i > 0:
                 # both consumer warpgroups have stored the last item's rows through q's tiles
                 T.call_extern("handle", "dsa_bar_sync", *WS_CONSUMER_BARRIER)
@@ -222,8 +223,19 @@ def _consume0_single(plan: WsPlan, items: SimpleNamespace, scores: SimpleNamespa
             reciprocal(c.sum_s, c.sumexp)  # warpgroup 1 scales its half by it
             T.barrier_arrive(c.done)
             normalize(c.acc_o, c.sum_i, c.m_i, c.sumexp, scale2)
-            store_rows(c.out, c.lse, c.acc_o, c.q_l, c.sum_i, t_i, c.by if split else None, h0_i, 0, heads,
-                       WS_STORE_BARRIERS[0] if split else None)
+            store_rows(
+                c.out,
+                c.lse,
+                c.acc_o,
+                c.q_l,
+                c.sum_i,
+                t_i,
+                c.by if split else None,
+                h0_i,
+                0,
+                heads,
+                WS_STORE_BARRIERS[0] if split else None,
+            )
             if split:
                 # the combine may launch now (the first thread's trigger counts for the CTA).
                 # Measured (H200, BENCHMARKS.md, both with the combine's own
@@ -311,8 +323,9 @@ def _consume1_paired(plan: WsPlan, items: SimpleNamespace, scores: SimpleNamespa
     return SimpleNamespace(consume1_paired=consume1_paired)
 
 
-def _consume1_single(plan: WsPlan, items: SimpleNamespace, scores: SimpleNamespace,
-                     prod: SimpleNamespace) -> SimpleNamespace:
+def _consume1_single(
+    plan: WsPlan, items: SimpleNamespace, scores: SimpleNamespace, prod: SimpleNamespace
+) -> SimpleNamespace:
     """Consumer warpgroup 1 of the single scheme."""
     geo, split, half, hb, n_tiles, persist = plan.geo, plan.split, plan.half, plan.hb, plan.n_tiles, plan.persist
     wg1_passes, copies_async, wg1_widens = plan.wg1_passes, plan.copies_async, plan.wg1_widens
@@ -334,7 +347,8 @@ def _consume1_single(plan: WsPlan, items: SimpleNamespace, scores: SimpleNamespa
             sc1 = T.alloc_local((1, n_tiles), acc)
         for i in work_items(c.n_items):
             t_i, h0_i, first_i, stop_i, n_blk_i, pairs_i, walk_i = work(
-                c.bx, c.by, i, c.topk_length, c.t, c.h0, c.first, c.stop, c.n_blk, c.pairs, c.walk)
+                c.bx, c.by, i, c.topk_length, c.t, c.h0, c.first, c.stop, c.n_blk, c.pairs, c.walk
+            )
             if i > 0:
                 T.call_extern("handle", "dsa_bar_sync", *WS_CONSUMER_BARRIER)  # (see warpgroup 0)
             stage_q(c.q, c.q_l, c.q_r, c.qt_s, t_i, h0_i, c.tx, c.q_ready)
@@ -342,20 +356,66 @@ def _consume1_single(plan: WsPlan, items: SimpleNamespace, scores: SimpleNamespa
             if wg1_widens:  # (a kernel of one work item: see persist)
                 load_index(c.indices, t_i, first_i, nxt1, 128, wg1_passes)
                 if walk_i > 0:
-                    produce_inplace(c.kv, c.indices, t_i, first_i, stop_i, nxt1, sc1, c.kv_l0, c.kv_r0, c.kt_s0, c.ok0,
-                                    c.ready0, c.free0, 0, 128, wg1_passes)
+                    produce_inplace(
+                        c.kv,
+                        c.indices,
+                        t_i,
+                        first_i,
+                        stop_i,
+                        nxt1,
+                        sc1,
+                        c.kv_l0,
+                        c.kv_r0,
+                        c.kt_s0,
+                        c.ok0,
+                        c.ready0,
+                        c.free0,
+                        0,
+                        128,
+                        wg1_passes,
+                    )
             for it in T.serial(walk_i):
                 if wg1_widens:
                     # this warpgroup's rows of the next block, before it waits for this one's probabilities
                     if it + 1 < walk_i:
                         if (it + 1) % 2 == 0:
-                            produce_inplace(c.kv, c.indices, t_i, first_i + it + 1, stop_i, nxt1, sc1, c.kv_l0,
-                                            c.kv_r0, c.kt_s0, c.ok0, c.ready0, c.free0, ((it + 1) // 2) & 1, 128,
-                                            wg1_passes)
+                            produce_inplace(
+                                c.kv,
+                                c.indices,
+                                t_i,
+                                first_i + it + 1,
+                                stop_i,
+                                nxt1,
+                                sc1,
+                                c.kv_l0,
+                                c.kv_r0,
+                                c.kt_s0,
+                                c.ok0,
+                                c.ready0,
+                                c.free0,
+                                ((it + 1) // 2) & 1,
+                                128,
+                                wg1_passes,
+                            )
                         else:
-                            produce_inplace(c.kv, c.indices, t_i, first_i + it + 1, stop_i, nxt1, sc1, c.kv_l1,
-                                            c.kv_r1, c.kt_s1, c.ok1, c.ready1, c.free1, ((it + 1) // 2) & 1, 128,
-                                            wg1_passes)
+                            produce_inplace(
+                                c.kv,
+                                c.indices,
+                                t_i,
+                                first_i + it + 1,
+                                stop_i,
+                                nxt1,
+                                sc1,
+                                c.kv_l1,
+                                c.kv_r1,
+                                c.kt_s1,
+                                c.ok1,
+                                c.ready1,
+                                c.free1,
+                                ((it + 1) // 2) & 1,
+                                128,
+                                wg1_passes,
+                            )
                 T.barrier_wait(c.p_ready, global_block(base, it) & 1)
                 if copies_async:
                     T.fence_proxy_async()
@@ -371,8 +431,19 @@ def _consume1_single(plan: WsPlan, items: SimpleNamespace, scores: SimpleNamespa
             T.barrier_wait(c.done, i & 1)
             for h, d in T.Parallel(hb, half):
                 c.acc_o_r[h, d] = c.acc_o_r[h, d] * c.sum_s[h]
-            store_rows(c.out, None, c.acc_o_r, c.q_r, None, t_i, c.by if split else None, h0_i, half, heads,
-                       WS_STORE_BARRIERS[1] if split else None)
+            store_rows(
+                c.out,
+                None,
+                c.acc_o_r,
+                c.q_r,
+                None,
+                t_i,
+                c.by if split else None,
+                h0_i,
+                half,
+                heads,
+                WS_STORE_BARRIERS[1] if split else None,
+            )
             if persist:
                 base[0] = base[0] + walk_i
 
@@ -385,7 +456,9 @@ def consumer_macros(plan: WsPlan, items: SimpleNamespace, prod: SimpleNamespace)
     of each consumer warpgroup per consumer scheme (``consume0_paired``, ``consume0_single``, ``consume1_paired``,
     ``consume1_single``), each taking the kernel's buffers and indices ``c``."""
     scores = _score_macros(plan)
-    return SimpleNamespace(consume0_paired=_consume0_paired(plan, items, scores).consume0_paired,
-                           consume0_single=_consume0_single(plan, items, scores).consume0_single,
-                           consume1_paired=_consume1_paired(plan, items, scores).consume1_paired,
-                           consume1_single=_consume1_single(plan, items, scores, prod).consume1_single)
+    return SimpleNamespace(
+        consume0_paired=_consume0_paired(plan, items, scores).consume0_paired,
+        consume0_single=_consume0_single(plan, items, scores).consume0_single,
+        consume1_paired=_consume1_paired(plan, items, scores).consume1_paired,
+        consume1_single=_consume1_single(plan, items, scores, prod).consume1_single,
+    )

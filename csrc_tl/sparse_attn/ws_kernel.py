@@ -15,8 +15,15 @@ from .ws_producer import producer_macros
 from .ws_work import work_helpers
 
 
-def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None = None,
-                  producers: int | None = None, nreg: tuple[int, int, int] | None = None, ctas: int = DEFAULT_CTAS):
+def build_attn_ws(
+    geo: AttnGeometry,
+    *,
+    split: bool = False,
+    block_i: int | None = None,
+    producers: int | None = None,
+    nreg: tuple[int, int, int] | None = None,
+    ctas: int = DEFAULT_CTAS,
+):
     """Warp-specialized prefill kernel for Hopper (sm_90, CUDA only: mbarriers and setmaxnreg): a
     producer warpgroup gathers (and for a packed pool dequantizes) the next top-k block into the
     other of two shared stages while two consumer warpgroups run the GEMMs and the softmax on the
@@ -55,8 +62,9 @@ def build_attn_ws(geo: AttnGeometry, *, split: bool = False, block_i: int | None
     if split:
         part_t = T.Tensor((t_count, n_split, partial_heads(heads, ws=True), d_v), dtype)
         return entry(geo, attend, t_count, s_count, k_count, part_t, T.Tensor((t_count, n_split, heads), acc))
-    return entry(geo, attend, t_count, s_count, k_count, T.Tensor((t_count, heads, d_v), dtype),
-                 T.Tensor((t_count, heads), acc))
+    return entry(
+        geo, attend, t_count, s_count, k_count, T.Tensor((t_count, heads, d_v), dtype), T.Tensor((t_count, heads), acc)
+    )
 
 
 def _attend_macro(plan: WsPlan, dims, prod: SimpleNamespace, cons: SimpleNamespace):
@@ -210,19 +218,82 @@ def _attend_macro(plan: WsPlan, dims, prod: SimpleNamespace, cons: SimpleNamespa
             # every buffer and index of the kernel in one namespace, for the warpgroups' macros: a TIR variable passed
             # as a macro argument takes the parameter's name (in the generated source too); read as an attribute
             # it keeps its own
-            c = SimpleNamespace(q=q, kv=kv, indices=indices, topk_length=topk_length, out=out, lse=lse, bx=bx, by=by,
-                                tx=tx, t=t, h0=h0, first=first, stop=stop, n_blk=n_blk, pairs=pairs, walk=walk,
-                                n_items=n_items, q_l=q_l, q_r=q_r, kv_l0=kv_l0, kv_r0=kv_r0, kv_l1=kv_l1, kv_r1=kv_r1,
-                                qt_s=qt_s, kt_s0=kt_s0, kt_s1=kt_s1, raw0=raw0, raw1=raw1, ok0=ok0, ok1=ok1,
-                                p0_s=p0_s, p1_s=p1_s, m_s=m_s, p_s=p_s, alpha_s=alpha_s, sum_s=sum_s, acc_o=acc_o,
-                                acc_o_r=acc_o_r, acc_s=acc_s, m_i=m_i, m_prev=m_prev, alpha=alpha, sum_i=sum_i,
-                                sumexp=sumexp, p_0=p_0, acc_s_r=acc_s_r, p_1=p_1, m_r=m_r, m_prev_r=m_prev_r,
-                                alpha_r=alpha_r, sum_r=sum_r, sumexp_r=sumexp_r, ready_l0=ready_l0, ready_r0=ready_r0,
-                                ready_l1=ready_l1, ready_r1=ready_r1, free_l0=free_l0, free_r0=free_r0,
-                                free_l1=free_l1, free_r1=free_r1, ready0=ready0, ready1=ready1, free0=free0,
-                                free1=free1, m0_ready=m0_ready, m1_ready=m1_ready, p0_ready=p0_ready,
-                                p1_ready=p1_ready, done0=done0, done1=done1, p_ready=p_ready, p_free=p_free,
-                                done=done, q_ready=q_ready)
+            c = SimpleNamespace(
+                q=q,
+                kv=kv,
+                indices=indices,
+                topk_length=topk_length,
+                out=out,
+                lse=lse,
+                bx=bx,
+                by=by,
+                tx=tx,
+                t=t,
+                h0=h0,
+                first=first,
+                stop=stop,
+                n_blk=n_blk,
+                pairs=pairs,
+                walk=walk,
+                n_items=n_items,
+                q_l=q_l,
+                q_r=q_r,
+                kv_l0=kv_l0,
+                kv_r0=kv_r0,
+                kv_l1=kv_l1,
+                kv_r1=kv_r1,
+                qt_s=qt_s,
+                kt_s0=kt_s0,
+                kt_s1=kt_s1,
+                raw0=raw0,
+                raw1=raw1,
+                ok0=ok0,
+                ok1=ok1,
+                p0_s=p0_s,
+                p1_s=p1_s,
+                m_s=m_s,
+                p_s=p_s,
+                alpha_s=alpha_s,
+                sum_s=sum_s,
+                acc_o=acc_o,
+                acc_o_r=acc_o_r,
+                acc_s=acc_s,
+                m_i=m_i,
+                m_prev=m_prev,
+                alpha=alpha,
+                sum_i=sum_i,
+                sumexp=sumexp,
+                p_0=p_0,
+                acc_s_r=acc_s_r,
+                p_1=p_1,
+                m_r=m_r,
+                m_prev_r=m_prev_r,
+                alpha_r=alpha_r,
+                sum_r=sum_r,
+                sumexp_r=sumexp_r,
+                ready_l0=ready_l0,
+                ready_r0=ready_r0,
+                ready_l1=ready_l1,
+                ready_r1=ready_r1,
+                free_l0=free_l0,
+                free_r0=free_r0,
+                free_l1=free_l1,
+                free_r1=free_r1,
+                ready0=ready0,
+                ready1=ready1,
+                free0=free0,
+                free1=free1,
+                m0_ready=m0_ready,
+                m1_ready=m1_ready,
+                p0_ready=p0_ready,
+                p1_ready=p1_ready,
+                done0=done0,
+                done1=done1,
+                p_ready=p_ready,
+                p_free=p_free,
+                done=done,
+                q_ready=q_ready,
+            )
             if tx < 128:
                 T.set_max_nreg(nreg[0], 1)
                 if paired:

@@ -27,8 +27,11 @@ def _lane_macros(plan: WsPlan, dims) -> SimpleNamespace:
 
     def row_views(kv):
         """The FP8 values, float32 scales and bf16 tails of packed rows ``kv``."""
-        return (T.view(kv, (s_count, row_w), T.float8_e4m3fn), T.view(kv, (s_count, row_w // 4), T.float32),
-                T.view(kv, (s_count, row_w // 2), dtype))
+        return (
+            T.view(kv, (s_count, row_w), T.float8_e4m3fn),
+            T.view(kv, (s_count, row_w // 4), T.float32),
+            T.view(kv, (s_count, row_w // 2), dtype),
+        )
 
     def entry_ok(blk, j, stop, raw):
         """Whether entry ``j`` of producer block ``blk`` (``block_p`` rows), raw index ``raw``, is valid:
@@ -48,8 +51,9 @@ def _lane_macros(plan: WsPlan, dims) -> SimpleNamespace:
         if persist:
             for k in tuple(range(passes if mine is None else len(mine))):
                 pos = T.min(blk * block_p + (k if mine is None else mine[k]) * rows_per_pass + prow(tx), k_count - 1)
-                slot[k] = T.call_extern("int32", "dsa_ld_index", T.address_of(indices[0, 0]),
-                                        T.cast(t, "int64") * k_count + pos)
+                slot[k] = T.call_extern(
+                    "int32", "dsa_ld_index", T.address_of(indices[0, 0]), T.cast(t, "int64") * k_count + pos
+                )
         elif mine is None:
             for p in T.unroll(passes):
                 pos = blk * block_p + p * rows_per_pass + prow(tx)
@@ -80,19 +84,37 @@ def _lane_macros(plan: WsPlan, dims) -> SimpleNamespace:
             col = (c * WS_THREADS_PER_ROW + lane) * vec
             for dst, base, tile in ((dst_l, 0, c), (dst_r, half, half // QUANT_TILE + c)):
                 raw = T.address_of(dst[j, ws_inplace_raw_col(c, lane)] if raw_v is None else raw_v[j, base + col])
-                args += [raw, T.address_of(dst[off + j, col]), T.address_of(dst[off + j, col + 8]),
-                         sc[p, tile] if packed else 1.0]
+                args += [
+                    raw,
+                    T.address_of(dst[off + j, col]),
+                    T.address_of(dst[off + j, col + 8]),
+                    sc[p, tile] if packed else 1.0,
+                ]
         flags = f"{'true' if packed else 'false'}, {'false' if raw_v is not None else 'true'}"  # kScaled, kSync
         return T.call_extern("handle", f"dsa_widen<{flags}>", *args)
 
     def widen_bulk(raw, dst, row, col, scale):
         """The call that widens the 16 FP8 values at ``raw`` (8-byte aligned), times ``scale``, into columns
         ``[col, col + 16)`` of ``dst``'s row ``row`` (``bulk``)."""
-        return T.call_extern("handle", "dsa_widen_bulk", T.address_of(raw), T.address_of(dst[row, col]),
-                             T.address_of(dst[row, col + 8]), scale)
+        return T.call_extern(
+            "handle",
+            "dsa_widen_bulk",
+            T.address_of(raw),
+            T.address_of(dst[row, col]),
+            T.address_of(dst[row, col + 8]),
+            scale,
+        )
 
-    return SimpleNamespace(prow=prow, plane=plane, row_views=row_views, entry_ok=entry_ok, load_index=load_index,
-                           cp_async=cp_async, widen=widen, widen_bulk=widen_bulk)
+    return SimpleNamespace(
+        prow=prow,
+        plane=plane,
+        row_views=row_views,
+        entry_ok=entry_ok,
+        load_index=load_index,
+        cp_async=cp_async,
+        widen=widen,
+        widen_bulk=widen_bulk,
+    )
 
 
 def _bf16_macros(plan: WsPlan, lanes: SimpleNamespace) -> SimpleNamespace:
@@ -126,15 +148,21 @@ def _bf16_macros(plan: WsPlan, lanes: SimpleNamespace) -> SimpleNamespace:
             # cp.async straight into shared memory: the whole stage is in flight without registers
             for c in T.unroll(chunks // 2):
                 col = (c * WS_THREADS_PER_ROW + lane) * vec
-                T.ptx_cp_async(T.access_ptr(dst_l[j, col], "w", vec), T.access_ptr(kv[row, col], "r", vec), vec,
-                               predicate=ok)
-                T.ptx_cp_async(T.access_ptr(dst_r[j, col], "w", vec), T.access_ptr(kv[row, half + col], "r", vec),
-                               vec, predicate=ok)
+                T.ptx_cp_async(
+                    T.access_ptr(dst_l[j, col], "w", vec), T.access_ptr(kv[row, col], "r", vec), vec, predicate=ok
+                )
+                T.ptx_cp_async(
+                    T.access_ptr(dst_r[j, col], "w", vec),
+                    T.access_ptr(kv[row, half + col], "r", vec),
+                    vec,
+                    predicate=ok,
+                )
             if d_tail:
                 for c in T.unroll(tail_chunks):
                     col = (c * WS_THREADS_PER_ROW + lane) * 8
-                    T.ptx_cp_async(T.access_ptr(dst_t[j, col], "w", 8), T.access_ptr(kv[row, d_v + col], "r", 8),
-                                   8, predicate=ok)
+                    T.ptx_cp_async(
+                        T.access_ptr(dst_t[j, col], "w", 8), T.access_ptr(kv[row, d_v + col], "r", 8), 8, predicate=ok
+                    )
         T.fence_proxy_async()
         T.barrier_arrive(ready)
         # a second arrival per thread once its cp.async copies have landed; no wait here, so TileLang
@@ -200,14 +228,43 @@ def _bf16_macros(plan: WsPlan, lanes: SimpleNamespace) -> SimpleNamespace:
         slot = T.alloc_local((passes,), T.int32)
         load_index(c.indices, c.t, c.first, nxt)
         for pair in T.serial(c.pairs):
-            produce(c.kv, c.indices, c.t, c.first + 2 * pair, c.stop, nxt, slot, c.kv_l0, c.kv_r0, c.kt_s0, c.ok0,
-                    c.ready0, c.free0, pair & 1)
+            produce(
+                c.kv,
+                c.indices,
+                c.t,
+                c.first + 2 * pair,
+                c.stop,
+                nxt,
+                slot,
+                c.kv_l0,
+                c.kv_r0,
+                c.kt_s0,
+                c.ok0,
+                c.ready0,
+                c.free0,
+                pair & 1,
+            )
             if not split or 2 * pair + 1 < c.n_blk:  # (a split kernel walks no padding block)
-                produce(c.kv, c.indices, c.t, c.first + 2 * pair + 1, c.stop, nxt, slot, c.kv_l1, c.kv_r1, c.kt_s1,
-                        c.ok1, c.ready1, c.free1, pair & 1)
+                produce(
+                    c.kv,
+                    c.indices,
+                    c.t,
+                    c.first + 2 * pair + 1,
+                    c.stop,
+                    nxt,
+                    slot,
+                    c.kv_l1,
+                    c.kv_r1,
+                    c.kt_s1,
+                    c.ok1,
+                    c.ready1,
+                    c.free1,
+                    pair & 1,
+                )
 
-    return SimpleNamespace(produce=produce, fill_half=fill_half, produce_halves_wg=produce_halves_wg,
-                           produce_bf16_wg=produce_bf16_wg)
+    return SimpleNamespace(
+        produce=produce, fill_half=fill_half, produce_halves_wg=produce_halves_wg, produce_bf16_wg=produce_bf16_wg
+    )
 
 
 def _raw_macros(plan: WsPlan, dims, lanes: SimpleNamespace) -> SimpleNamespace:
@@ -233,8 +290,16 @@ def _raw_macros(plan: WsPlan, dims, lanes: SimpleNamespace) -> SimpleNamespace:
             j = p * rows_per_pass + prow(tx)
             valid = entry_ok(blk, j, stop, slot[p])
             row = T.if_then_else(valid, slot[p], 0)
-            ok[p] = T.call_extern("int32", f"dsa_bulk_row<{d_v}, {row_w}>", T.address_of(raw_v[j, 0]),
-                                  T.address_of(kv[0, 0]), row, T.address_of(landed[0]), lane == 0, valid)
+            ok[p] = T.call_extern(
+                "int32",
+                f"dsa_bulk_row<{d_v}, {row_w}>",
+                T.address_of(raw_v[j, 0]),
+                T.address_of(kv[0, 0]),
+                row,
+                T.address_of(landed[0]),
+                lane == 0,
+                valid,
+            )
             for c in T.unroll(chunks // 2):
                 col = (c * WS_THREADS_PER_ROW + lane) * vec
                 T.call_extern("handle", "dsa_zero16", T.address_of(raw_v[j, col]), valid)
@@ -266,8 +331,12 @@ def _raw_macros(plan: WsPlan, dims, lanes: SimpleNamespace) -> SimpleNamespace:
                     at = col + (k ^ odd) * piece if quarters and piece < vec else col + k * piece
                     for base in (0, half):
                         src = values[row, base + at] if packed else kv[row, base + at]
-                        T.ptx_cp_async(T.access_ptr(raw_v[j, base + at], "w", piece), T.access_ptr(src, "r", piece),
-                                       piece, predicate=ok[p] != 0)
+                        T.ptx_cp_async(
+                            T.access_ptr(raw_v[j, base + at], "w", piece),
+                            T.access_ptr(src, "r", piece),
+                            piece,
+                            predicate=ok[p] != 0,
+                        )
             if packed:
                 # the row's scales into registers (eight lanes of a row read the same 8 bytes: one
                 # request; copied to shared memory per lane they cost 8-way bank conflicts). In one
@@ -281,8 +350,12 @@ def _raw_macros(plan: WsPlan, dims, lanes: SimpleNamespace) -> SimpleNamespace:
                         kk = (k ^ odd) if quarters and tail_piece < 8 else k
                         col = (c * WS_THREADS_PER_ROW + lane) * 8 + kk * tail_piece
                         src = tails[row, rope_half + col] if packed else kv[row, d_v + col]
-                        T.ptx_cp_async(T.access_ptr(raw_t[j, col], "w", tail_piece),
-                                       T.access_ptr(src, "r", tail_piece), tail_piece, predicate=ok[p] != 0)
+                        T.ptx_cp_async(
+                            T.access_ptr(raw_t[j, col], "w", tail_piece),
+                            T.access_ptr(src, "r", tail_piece),
+                            tail_piece,
+                            predicate=ok[p] != 0,
+                        )
         T.ptx_commit_group()
 
     @T.macro
@@ -360,8 +433,28 @@ def _staged_macros(plan: WsPlan, lanes: SimpleNamespace, raw: SimpleNamespace) -
                         dst_t[off + j, col + v] = T.cast(raw_t[j, col + v], dtype)
 
     @T.macro
-    def produce_staged(kv, indices, t, blk, stop, nxt, ok_now, ok_next, raw_next, raw_now, dst_l, dst_r, dst_t, ok_s,
-                       ready, free, phase, sub, landed_phase, after=None):
+    def produce_staged(
+        kv,
+        indices,
+        t,
+        blk,
+        stop,
+        nxt,
+        ok_now,
+        ok_next,
+        raw_next,
+        raw_now,
+        dst_l,
+        dst_r,
+        dst_t,
+        ok_s,
+        ready,
+        free,
+        phase,
+        sub,
+        landed_phase,
+        after=None,
+    ):
         """One producer block (``block_p`` rows) of the staged producer: start the raw copy of block
         ``blk + 1`` (its indices ``nxt`` were loaded one block earlier) and the index loads of ``blk + 2``,
         then widen block ``blk``, whose raw copy was started one block earlier, into part ``sub`` of
@@ -387,8 +480,9 @@ def _staged_macros(plan: WsPlan, lanes: SimpleNamespace, raw: SimpleNamespace) -
     return SimpleNamespace(set_after=set_after, widen_raw=widen_raw, produce_staged=produce_staged)
 
 
-def _staged_wg_macros(plan: WsPlan, lanes: SimpleNamespace, raw: SimpleNamespace, staged: SimpleNamespace,
-                      items: SimpleNamespace) -> SimpleNamespace:
+def _staged_wg_macros(
+    plan: WsPlan, lanes: SimpleNamespace, raw: SimpleNamespace, staged: SimpleNamespace, items: SimpleNamespace
+) -> SimpleNamespace:
     """The producer warpgroups of the staged scheme over every work item of the CTA."""
     split, packed, n_tiles, bulk, persist = plan.split, plan.packed, plan.n_tiles, plan.bulk, plan.persist
     subs, passes = plan.subs, plan.passes
@@ -414,8 +508,9 @@ def _staged_wg_macros(plan: WsPlan, lanes: SimpleNamespace, raw: SimpleNamespace
         # then has its indices at hand instead of a load round trip later
         nxt2 = T.alloc_local((passes,), T.int32)
         # (producer blocks: `subs` per stage; their raw stages alternate, raw0 first in a pair)
-        t_0, h0_0, first_0, stop_0, n_blk_0, pairs_0, walk_0 = work(c.bx, c.by, 0, c.topk_length, c.t, c.h0, c.first,
-                                                                    c.stop, c.n_blk, c.pairs, c.walk)
+        t_0, h0_0, first_0, stop_0, n_blk_0, pairs_0, walk_0 = work(
+            c.bx, c.by, 0, c.topk_length, c.t, c.h0, c.first, c.stop, c.n_blk, c.pairs, c.walk
+        )
         load_index(c.indices, t_0, first_0 * subs, nxt)
         load_index(c.indices, t_0, first_0 * subs + 1, nxt2)
         issue_raw(c.kv, nxt, first_0 * subs, stop_0, ok_a, *raw_a)
@@ -430,7 +525,8 @@ def _staged_wg_macros(plan: WsPlan, lanes: SimpleNamespace, raw: SimpleNamespace
         after = T.alloc_local((4,), T.int32) if persist else None
         for i in work_items(c.n_items):
             t_i, h0_i, first_i, stop_i, n_blk_i, pairs_i, walk_i = work(
-                c.bx, c.by, i, c.topk_length, c.t, c.h0, c.first, c.stop, c.n_blk, c.pairs, c.walk)
+                c.bx, c.by, i, c.topk_length, c.t, c.h0, c.first, c.stop, c.n_blk, c.pairs, c.walk
+            )
             if persist:
                 nx[0] = next_token(c.bx, i, t_i)
                 nx[1] = next_stop(c.bx, i, nx[0], c.topk_length)
@@ -442,17 +538,48 @@ def _staged_wg_macros(plan: WsPlan, lanes: SimpleNamespace, raw: SimpleNamespace
                 for sub in tuple(range(subs)):
                     if persist:
                         set_after(after, blk + sub, walk_i * subs, t_i, stop_i, nx)
-                    produce_staged(c.kv, c.indices, t_i, blk + sub, stop_i, nxt, *parts[sub % 2], c.kv_l0, c.kv_r0,
-                                   c.kt_s0, c.ok0, c.ready0, c.free0, phase, sub, (pair * subs + sub // 2) & 1,
-                                   (after[0], after[1], after[2], after[3]) if persist else None)
+                    produce_staged(
+                        c.kv,
+                        c.indices,
+                        t_i,
+                        blk + sub,
+                        stop_i,
+                        nxt,
+                        *parts[sub % 2],
+                        c.kv_l0,
+                        c.kv_r0,
+                        c.kt_s0,
+                        c.ok0,
+                        c.ready0,
+                        c.free0,
+                        phase,
+                        sub,
+                        (pair * subs + sub // 2) & 1,
+                        (after[0], after[1], after[2], after[3]) if persist else None,
+                    )
                 if not split or 2 * pair + 1 < n_blk_i:  # (a split kernel walks no padding block)
                     for sub in tuple(range(subs)):
                         if persist:
                             set_after(after, blk + subs + sub, walk_i * subs, t_i, stop_i, nx)
-                        produce_staged(c.kv, c.indices, t_i, blk + subs + sub, stop_i, nxt,
-                                       *parts[(subs + sub) % 2], c.kv_l1, c.kv_r1, c.kt_s1, c.ok1, c.ready1, c.free1,
-                                       phase, sub, (pair * subs + (subs + sub) // 2) & 1,
-                                       (after[0], after[1], after[2], after[3]) if persist else None)
+                        produce_staged(
+                            c.kv,
+                            c.indices,
+                            t_i,
+                            blk + subs + sub,
+                            stop_i,
+                            nxt,
+                            *parts[(subs + sub) % 2],
+                            c.kv_l1,
+                            c.kv_r1,
+                            c.kt_s1,
+                            c.ok1,
+                            c.ready1,
+                            c.free1,
+                            phase,
+                            sub,
+                            (pair * subs + (subs + sub) // 2) & 1,
+                            (after[0], after[1], after[2], after[3]) if persist else None,
+                        )
             if persist:
                 base[0] = base[0] + walk_i
         if not bulk:
@@ -474,8 +601,9 @@ def _inplace_macros(plan: WsPlan, dims, lanes: SimpleNamespace) -> SimpleNamespa
     cp_async, widen = lanes.cp_async, lanes.widen
 
     @T.macro
-    def produce_inplace(kv, indices, t, blk, stop, nxt, sc, dst_l, dst_r, dst_t, ok_s, ready, free, phase, base=256,
-                        mine=None):
+    def produce_inplace(
+        kv, indices, t, blk, stop, nxt, sc, dst_l, dst_r, dst_t, ok_s, ready, free, phase, base=256, mine=None
+    ):
         """Gather top-k block ``blk`` (raw indices ``nxt``, loaded one block earlier) into a stage and
         widen it there. Each thread copies the raw bytes of each of its 16-value chunks by cp.async into
         the row's stage, the eight lanes of a row side by side (:func:`ws_inplace_raw_col`), waits for
@@ -518,8 +646,12 @@ def _inplace_macros(plan: WsPlan, dims, lanes: SimpleNamespace) -> SimpleNamespa
                         col = (c * WS_THREADS_PER_ROW + lane) * 8
                         if packed:  # bf16 already: copied as they are
                             for k in T.unroll(8 // tail_piece):
-                                cp_async(dst_t[j, col + k * tail_piece], words[row, rope_half + col + k * tail_piece],
-                                         2 * tail_piece, ok)
+                                cp_async(
+                                    dst_t[j, col + k * tail_piece],
+                                    words[row, rope_half + col + k * tail_piece],
+                                    2 * tail_piece,
+                                    ok,
+                                )
                         else:  # 8 FP8 values into the first half of their 16-byte chunk
                             cp_async(dst_t[j, col], words[row, (d_v + col) // 2], 8, ok)
                 if packed:
@@ -555,11 +687,43 @@ def _inplace_macros(plan: WsPlan, dims, lanes: SimpleNamespace) -> SimpleNamespa
         sc = T.alloc_local((n_own, n_tiles), acc) if packed else None  # the rows' scales
         load_index(c.indices, c.t, c.first, nxt, 256, prod_passes)
         for pair in T.serial(c.pairs):
-            produce_inplace(c.kv, c.indices, c.t, c.first + 2 * pair, c.stop, nxt, sc, c.kv_l0, c.kv_r0, c.kt_s0, c.ok0,
-                            c.ready0, c.free0, pair & 1, 256, prod_passes)
+            produce_inplace(
+                c.kv,
+                c.indices,
+                c.t,
+                c.first + 2 * pair,
+                c.stop,
+                nxt,
+                sc,
+                c.kv_l0,
+                c.kv_r0,
+                c.kt_s0,
+                c.ok0,
+                c.ready0,
+                c.free0,
+                pair & 1,
+                256,
+                prod_passes,
+            )
             if not split or 2 * pair + 1 < c.n_blk:  # (a split kernel walks no padding block)
-                produce_inplace(c.kv, c.indices, c.t, c.first + 2 * pair + 1, c.stop, nxt, sc, c.kv_l1, c.kv_r1,
-                                c.kt_s1, c.ok1, c.ready1, c.free1, pair & 1, 256, prod_passes)
+                produce_inplace(
+                    c.kv,
+                    c.indices,
+                    c.t,
+                    c.first + 2 * pair + 1,
+                    c.stop,
+                    nxt,
+                    sc,
+                    c.kv_l1,
+                    c.kv_r1,
+                    c.kt_s1,
+                    c.ok1,
+                    c.ready1,
+                    c.free1,
+                    pair & 1,
+                    256,
+                    prod_passes,
+                )
 
     return SimpleNamespace(produce_inplace=produce_inplace, produce_inplace_wg=produce_inplace_wg)
 
@@ -574,6 +738,11 @@ def producer_macros(plan: WsPlan, dims, items: SimpleNamespace) -> SimpleNamespa
     raw = _raw_macros(plan, dims, lanes)
     staged = _staged_wg_macros(plan, lanes, raw, _staged_macros(plan, lanes, raw), items)
     inplace = _inplace_macros(plan, dims, lanes)
-    return SimpleNamespace(load_index=lanes.load_index, produce_inplace=inplace.produce_inplace,
-                           inplace=inplace.produce_inplace_wg, staged=staged.produce_staged_wg,
-                           halves=bf16.produce_halves_wg, bf16=bf16.produce_bf16_wg)
+    return SimpleNamespace(
+        load_index=lanes.load_index,
+        produce_inplace=inplace.produce_inplace,
+        inplace=inplace.produce_inplace_wg,
+        staged=staged.produce_staged_wg,
+        halves=bf16.produce_halves_wg,
+        bf16=bf16.produce_bf16_wg,
+    )

@@ -52,6 +52,11 @@ def work_helpers(plan: WsPlan, dims) -> SimpleNamespace:
         """Block ``it`` of the current work item counted over the CTA's items (``base[0]`` blocks before it)."""
         return base[0] + it if persist else it
 
-
-    return SimpleNamespace(work=work, next_token=next_token, next_stop=next_stop, work_items=work_items,
-                           pair_phase=pair_phase, global_block=global_block)
+    return SimpleNamespace(
+        work=work,
+        next_token=next_token,
+        next_stop=next_stop,
+        work_items=work_items,
+        pair_phase=pair_phase,
+        global_block=global_block,
+    )

@@ -4,7 +4,7 @@ implementation of each of its ops under the op's name; ``register_backend`` find
 
 from . import attention, indexer, k_cache, selection
 from .attention import AttnPlan, attn_keys, attn_max_logits, plan_attn, plan_splits, plan_tail, sparse_attn
-from .compile import TARGETS, KernelKey, kernel, lower_source, pass_configs, program, warmup
+from .compile import TARGETS, kernel, lower_source, pass_configs, program, warmup
 from .indexer import gather_index_k, index_logits, paged_index_logits, quant_index, store_index_k
 from .k_cache import (
     cache_keys,
@@ -19,9 +19,30 @@ from .selection import topk
 FAMILIES = (k_cache, attention, indexer, selection)
 
 __all__ = [
-    "FAMILIES", "TARGETS", "KernelKey", "kernel", "lower_source", "pass_configs", "program", "warmup",
-    "cache_keys", "attn_keys", "AttnPlan", "plan_attn", "plan_splits", "plan_tail",
-    "quant_k_cache", "store_k_cache", "dequant_k_cache", "gather_k_cache", "gather_dequant_k_cache",
-    "sparse_attn", "attn_max_logits",
-    "quant_index", "store_index_k", "gather_index_k", "index_logits", "paged_index_logits", "topk",
+    "FAMILIES",
+    "TARGETS",
+    "kernel",
+    "lower_source",
+    "pass_configs",
+    "program",
+    "warmup",
+    "cache_keys",
+    "attn_keys",
+    "AttnPlan",
+    "plan_attn",
+    "plan_splits",
+    "plan_tail",
+    "quant_k_cache",
+    "store_k_cache",
+    "dequant_k_cache",
+    "gather_k_cache",
+    "gather_dequant_k_cache",
+    "sparse_attn",
+    "attn_max_logits",
+    "quant_index",
+    "store_index_k",
+    "gather_index_k",
+    "index_logits",
+    "paged_index_logits",
+    "topk",
 ]

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from csrc_tl import sparse_attn as builders
 from csrc_tl.sparse_attn import AttnGeometry
+from csrc_tl.sparse_attn import keys as builders
+from csrc_tl.sparse_attn.keys import AttnKey, CombineKey
 from csrc_tl.sparse_attn.launch import (
     PERSISTENT,
     PORTABLE,
@@ -26,43 +27,41 @@ from csrc_tl.sparse_attn.launch import (
 from .. import reference
 from ..ops import AttnArgs, takes_checked
 from .common import aligned, check_pool, pool_rows, pool_slots
-from .compile import KernelKey, is_hopper, kernel, register_builder, sm_count
+from .compile import is_hopper, kernel, register_builder, sm_count
 
-__all__ = ["attn_keys", "warmup_keys", "plan_splits", "plan_tail", "AttnPlan", "plan_attn", "sparse_attn",
-           "attn_max_logits", "bench_cases"]
-
-
-def _ws_configs(key: KernelKey) -> dict:
-    return dict(builders.WS_PASS_CONFIGS)
-
-
-register_builder("attn_prefill_ws", lambda key: builders.build_attn_ws(key.spec, split=False,
-                                                                       **({"ctas": key.flags[0]} if key.flags else {})),
-                 _ws_configs)
-register_builder("attn_decode_ws", lambda key: builders.build_attn_ws(key.spec, split=True), _ws_configs)
-register_builder("attn_prefill", lambda key: builders.build_attn(key.spec, split=False,
-                                                                 **builders.DEFAULT_TILES["prefill"]))
-register_builder("attn_decode", lambda key: builders.build_attn(key.spec, split=True,
-                                                                **builders.DEFAULT_TILES["decode"]))
-register_builder("combine", lambda key: builders.build_combine(*key.spec, pdl="pdl" in key.flags))
+__all__ = [
+    "attn_keys",
+    "warmup_keys",
+    "plan_splits",
+    "plan_tail",
+    "AttnPlan",
+    "plan_attn",
+    "sparse_attn",
+    "attn_max_logits",
+    "bench_cases",
+]
 
 
-# The kernel families of the launch plan's kernels (csrc_tl.sparse_attn.launch)
-_PREFILL_FAMILIES = {PORTABLE: "attn_prefill", WARP_SPECIALIZED: "attn_prefill_ws", PERSISTENT: "attn_prefill_ws"}
-_SPLIT_FAMILIES = {PORTABLE: "attn_decode", WARP_SPECIALIZED: "attn_decode_ws"}
+register_builder(AttnKey, builders.build, builders.pass_configs)
+register_builder(CombineKey, builders.build, builders.pass_configs)
+
+# The kernel schemes of the launch plan's kernels (csrc_tl.sparse_attn.launch)
+_PREFILL_SCHEMES = {PORTABLE: "prefill", WARP_SPECIALIZED: "prefill_ws", PERSISTENT: "prefill_ws"}
+_SPLIT_SCHEMES = {PORTABLE: "decode", WARP_SPECIALIZED: "decode_ws"}
 
 
-def _kernel_keys(geo: AttnGeometry, kernels: AttnKernels) -> tuple[KernelKey, KernelKey, KernelKey]:
+def _kernel_keys(geo: AttnGeometry, kernels: AttnKernels) -> tuple[AttnKey, AttnKey, CombineKey]:
     """``(prefill kernel, split kernel, combine)``: the keys of the launch plan's ``kernels`` of ``geo``."""
-    ctas = (kernels.ctas,) if kernels.prefill == PERSISTENT else ()  # the persistent kernel's grid
-    prefill = KernelKey(_PREFILL_FAMILIES[kernels.prefill], geo, ctas)
-    split = KernelKey(_SPLIT_FAMILIES[kernels.split], geo)
-    combine = KernelKey("combine", (geo.d_v, geo.heads, kernels.partial_heads), ("pdl",) if kernels.pdl else ())
+    ctas = kernels.ctas if kernels.prefill == PERSISTENT else 0  # the persistent kernel's grid
+    prefill = AttnKey(_PREFILL_SCHEMES[kernels.prefill], geo, ctas)
+    split = AttnKey(_SPLIT_SCHEMES[kernels.split], geo)
+    combine = CombineKey(geo.d_v, geo.heads, kernels.partial_heads, kernels.pdl)
     return prefill, split, combine
 
 
-def _geometry(kv_kind: str, d_v: int, d_rope: int, heads: int, sm_scale: float, has_topk_length: bool,
-              q_fp8: bool) -> AttnGeometry:
+def _geometry(
+    kv_kind: str, d_v: int, d_rope: int, heads: int, sm_scale: float, has_topk_length: bool, q_fp8: bool
+) -> AttnGeometry:
     geo = AttnGeometry(d_v, d_rope, heads, kv_kind, has_topk_length, float(sm_scale), q_fp8)
     geo.check()
     return geo
@@ -73,9 +72,18 @@ def _sm90(target: str | None) -> bool:
     return target == "cuda" if target else is_hopper()
 
 
-def attn_keys(kv_kind: str, d_v: int, d_rope: int, heads: int, sm_scale: float, has_topk_length: bool,
-              paths: Iterable[str] = ("prefill", "decode"), target: str | None = None,
-              q_fp8: bool = False, sm_count: int | None = None) -> list[KernelKey]:
+def attn_keys(
+    kv_kind: str,
+    d_v: int,
+    d_rope: int,
+    heads: int,
+    sm_scale: float,
+    has_topk_length: bool,
+    paths: Iterable[str] = ("prefill", "decode"),
+    target: str | None = None,
+    q_fp8: bool = False,
+    sm_count: int | None = None,
+) -> list[AttnKey | CombineKey]:
     """The kernels ``sparse_attn`` runs for one geometry on ``target`` (default: this machine's), in
     this order: the prefill kernel; the split decode kernels; the decode's combine (last).
 
@@ -99,11 +107,11 @@ class AttnPlan:
     :func:`plan_tail`), a split kernel over ``splits`` parts of their top-k ranges followed by the combine."""
 
     tokens: int
-    prefill: KernelKey | None  # None in a decode
+    prefill: AttnKey | None  # None in a decode
     prefill_tokens: int
     split: tuple = ()  # (split kernel, combine) where tokens take the split path
     splits: int = 1
-    partial_heads: int = 0  # head rows of the split kernel's partial output (the combine's spec[2])
+    partial_heads: int = 0  # head rows of the split kernel's partial output (the combine's partial_heads)
 
     @property
     def keys(self) -> tuple:
@@ -124,21 +132,45 @@ class AttnPlan:
         prefill, split, combine = _kernel_keys(geo, launch.kernels)
         if not launch.split_tokens:
             return cls(launch.tokens, prefill, launch.tokens)
-        return cls(launch.tokens, prefill if launch.prefill_tokens else None, launch.prefill_tokens, (split, combine),
-                   launch.splits, launch.kernels.partial_heads)
+        return cls(
+            launch.tokens,
+            prefill if launch.prefill_tokens else None,
+            launch.prefill_tokens,
+            (split, combine),
+            launch.splits,
+            launch.kernels.partial_heads,
+        )
 
 
 @functools.lru_cache(maxsize=4096)
-def plan_attn(kv_kind: str, d_v: int, d_rope: int, heads: int, sm_scale: float, has_topk_length: bool, q_fp8: bool,
-              tokens: int, topk: int, sm_count: int, target: str | None = None) -> AttnPlan:
+def plan_attn(
+    kv_kind: str,
+    d_v: int,
+    d_rope: int,
+    heads: int,
+    sm_scale: float,
+    has_topk_length: bool,
+    q_fp8: bool,
+    tokens: int,
+    topk: int,
+    sm_count: int,
+    target: str | None = None,
+) -> AttnPlan:
     """The kernels and split count for one call (``target`` as in :func:`attn_keys`): the keys of its launch plan,
     :func:`csrc_tl.sparse_attn.launch.plan_launch`."""
     geo = _geometry(kv_kind, d_v, d_rope, heads, sm_scale, has_topk_length, q_fp8)
     return AttnPlan.of(geo, plan_launch(geo, tokens, topk, sm_count, _sm90(target)))
 
 
-def warmup_keys(heads: int, d_nope: int, d_rope: int, sm_scale: float, kv_kinds=("bf16", "packed"),
-                fp8_q=(False,), topk_length=(False, True)) -> list[KernelKey]:
+def warmup_keys(
+    heads: int,
+    d_nope: int,
+    d_rope: int,
+    sm_scale: float,
+    kv_kinds=("bf16", "packed"),
+    fp8_q=(False,),
+    topk_length=(False, True),
+) -> list[AttnKey | CombineKey]:
     """Every attention kernel of one model geometry (a float8 q only goes with fp8 or packed kv)."""
     keys = []
     for kind in kv_kinds:
@@ -165,7 +197,8 @@ def sparse_attn(args: AttnArgs, q, kv, indices, sm_scale, d_v, topk_length=None,
     if heads > 128 or d_v % 64 or args.d_rope % 16:
         raise NotImplementedError(
             f"dsa.sparse_attn on {q.device.type}: no kernel for heads={heads}, d_v={d_v}, d_rope={args.d_rope} "
-            "(needs heads <= 128, d_v a multiple of 64, d_rope a multiple of 16)")
+            "(needs heads <= 128, d_v a multiple of 64, d_rope a multiple of 16)"
+        )
     out = torch.empty(t_count, heads, d_v, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(t_count, heads, dtype=torch.float32, device=q.device)
     if t_count == 0:
@@ -175,8 +208,18 @@ def sparse_attn(args: AttnArgs, q, kv, indices, sm_scale, d_v, topk_length=None,
     pool = pool_rows(kv, args.pool, args.kv_kind == "packed")
     check_pool("sparse_attn", "kv", pool, pool.shape[1] * pool.element_size())
     idx = pool_slots(indices.reshape(t_count, args.topk), args.pool)
-    plan = plan_attn(args.kv_kind, d_v, args.d_rope, heads, sm_scale, topk_length is not None, args.q_fp8,
-                     t_count, args.topk, sm_count(q.device))
+    plan = plan_attn(
+        args.kv_kind,
+        d_v,
+        args.d_rope,
+        heads,
+        sm_scale,
+        topk_length is not None,
+        args.q_fp8,
+        t_count,
+        args.topk,
+        sm_count(q.device),
+    )
     inputs = (q, idx) if topk_length is None else (q, idx, topk_length)
     main = plan.prefill_tokens
     if main:  # the prefill's tokens
@@ -184,8 +227,9 @@ def sparse_attn(args: AttnArgs, q, kv, indices, sm_scale, d_v, topk_length=None,
         kernel(plan.prefill)(rows[0], pool, *rows[1:], _rows(out, 0, main), _rows(lse, 0, main))
     if plan.split:  # the rest (a decode's tokens, or a persistent prefill's last round)
         rows = [aligned(_rows(x, main, t_count)) for x in inputs]
-        part_out = torch.empty(t_count - main, plan.splits, plan.partial_heads, d_v, dtype=torch.bfloat16,
-                               device=q.device)
+        part_out = torch.empty(
+            t_count - main, plan.splits, plan.partial_heads, d_v, dtype=torch.bfloat16, device=q.device
+        )
         part_lse = torch.empty(t_count - main, plan.splits, heads, dtype=torch.float32, device=q.device)
         kernel(plan.split[0])(rows[0], pool, *rows[1:], part_out, part_lse)
         kernel(plan.split[1])(part_out, part_lse, _rows(out, main, t_count), _rows(lse, main, t_count))
@@ -211,49 +255,106 @@ def attn_max_logits(q, kv, indices, sm_scale, d_v, topk_length=None):
 # Bench cases.
 
 
-def _attn_case(name, kind, d_nope, d_rope, heads, tokens, slots, topk, target=None):
+def _attn_case(name, kind, d_nope, d_rope, heads, tokens, slots, topk, target=None, variant=""):
+    """One attention case; ``variant``: "" (the core op), "sink" (with an ``attn_sink``) or "flash_mla" (the same
+    call through :mod:`sparse_dsa_ops.flash_mla`: its prefill for bf16 kv, its paged FP8 decode for packed kv)."""
+
     def make():
         gen = torch.Generator(device="cuda").manual_seed(0)
         d_qk = d_nope + d_rope
         q = torch.randn(tokens, heads, d_qk, device="cuda", dtype=torch.bfloat16, generator=gen)
         kv = torch.randn(slots, d_qk, device="cuda", dtype=torch.bfloat16, generator=gen)
         if kind == "packed":
-            kv = torch.ops.dsa.quant_k_cache(kv[:, :d_nope].contiguous(),
-                                             kv[:, d_nope:].contiguous() if d_rope else None)
+            kv = torch.ops.dsa.quant_k_cache(
+                kv[:, :d_nope].contiguous(), kv[:, d_nope:].contiguous() if d_rope else None
+            )
         elif kind == "fp8":
             q, kv = q.to(torch.float8_e4m3fn), kv.to(torch.float8_e4m3fn)
         idx = torch.randint(0, slots, (tokens, topk), device="cuda", dtype=torch.int32, generator=gen)
+        if variant == "sink":
+            return (q, kv, idx, d_qk**-0.5, d_nope, None, torch.randn(heads, device="cuda", generator=gen))
+        if variant == "flash_mla" and kind == "packed":  # b = T requests of one token, pages of 64 slots
+            return (q.unsqueeze(1), kv.view(slots // 64, 64, 1, kv.shape[-1]), idx.unsqueeze(1))
+        if variant == "flash_mla":
+            return (q, kv.unsqueeze(1), idx.unsqueeze(1))
         return (q, kv, idx, d_qk**-0.5, d_nope)
 
     flops = 2 * tokens * heads * topk * (2 * d_nope + d_rope)
-    plan = plan_attn(kind, d_nope, d_rope, heads, (d_nope + d_rope) ** -0.5, False, kind == "fp8", tokens, topk,
-                     torch.cuda.get_device_properties(0).multi_processor_count)
-    return dict(name=name, op="sparse_attn", make=make, flops=flops, bytes=None, keys=list(plan.keys), path=str(plan),
-                target=target)
+    plan = plan_attn(
+        kind,
+        d_nope,
+        d_rope,
+        heads,
+        (d_nope + d_rope) ** -0.5,
+        False,
+        kind == "fp8",
+        tokens,
+        topk,
+        torch.cuda.get_device_properties(0).multi_processor_count,
+    )
+    return dict(
+        name=name,
+        op="sparse_attn",
+        run=_flash_mla_run(kind, d_nope, d_rope) if variant == "flash_mla" else None,
+        make=make,
+        flops=flops,
+        bytes=None,
+        keys=list(plan.keys),
+        path=str(plan),
+        target=target,
+    )
 
+
+def _flash_mla_run(kind: str, d_nope: int, d_rope: int):
+    from .. import flash_mla
+
+    scale = (d_nope + d_rope) ** -0.5
+    if kind == "packed":
+        meta, splits = flash_mla.get_mla_metadata()
+        return lambda q, k_cache, idx: flash_mla.flash_mla_with_kvcache(
+            q, k_cache, None, None, d_nope, meta, splits, is_fp8_kvcache=True, indices=idx
+        )
+    return lambda q, kv, idx: flash_mla.flash_mla_sparse_fwd(q, kv, idx, scale, d_nope)
 
 
 def bench_cases() -> list[dict]:
     """The attention cases of ``python -m sparse_dsa_ops bench``, with their targets (bound, value, unit)."""
     cases = [
-        _attn_case("prefill deepseek bf16 T4096 S8192 H128 k2048", "bf16", 512, 64, 128, 4096, 8192, 2048,
-                   (">=", 600.0, "TFLOPS")),
-        _attn_case("prefill glm bf16 T4096 S8192 H64 k2048", "bf16", 256, 0, 64, 4096, 8192, 2048,
-                   (">=", 450.0, "TFLOPS")),
-        _attn_case("decode glm bf16 T1 S65536 H64 k2048", "bf16", 256, 0, 64, 1, 65536, 2048,
-                   ("<=", 15.0, "us")),
-        _attn_case("decode glm bf16 T17 S65536 H64 k2112", "bf16", 256, 0, 64, 17, 65536, 2112,
-                   ("<=", 20.0, "us")),
-        _attn_case("decode deepseek bf16 T1 S65536 H128 k2048", "bf16", 512, 64, 128, 1, 65536, 2048,
-                   ("<=", 20.0, "us")),
-        _attn_case("decode deepseek packed T256 S65536 H128 k2048", "packed", 512, 64, 128, 256, 65536, 2048,
-                   (">=", 400.0, "TFLOPS")),
-        _attn_case("decode glm packed T1 S65536 H64 k2048", "packed", 256, 0, 64, 1, 65536, 2048,
-                   ("<=", 10.0, "us")),
-        _attn_case("decode glm packed T17 S65536 H64 k2112", "packed", 256, 0, 64, 17, 65536, 2112,
-                   ("<=", 15.0, "us")),
-        _attn_case("prefill glm packed T4096 S8192 H64 k2048", "packed", 256, 0, 64, 4096, 8192, 2048,
-                   (">=", 400.0, "TFLOPS")),
+        _attn_case(
+            "prefill deepseek bf16 T4096 S8192 H128 k2048",
+            "bf16",
+            512,
+            64,
+            128,
+            4096,
+            8192,
+            2048,
+            (">=", 600.0, "TFLOPS"),
+        ),
+        _attn_case(
+            "prefill glm bf16 T4096 S8192 H64 k2048", "bf16", 256, 0, 64, 4096, 8192, 2048, (">=", 450.0, "TFLOPS")
+        ),
+        _attn_case("decode glm bf16 T1 S65536 H64 k2048", "bf16", 256, 0, 64, 1, 65536, 2048, ("<=", 15.0, "us")),
+        _attn_case("decode glm bf16 T17 S65536 H64 k2112", "bf16", 256, 0, 64, 17, 65536, 2112, ("<=", 20.0, "us")),
+        _attn_case(
+            "decode deepseek bf16 T1 S65536 H128 k2048", "bf16", 512, 64, 128, 1, 65536, 2048, ("<=", 20.0, "us")
+        ),
+        _attn_case(
+            "decode deepseek packed T256 S65536 H128 k2048",
+            "packed",
+            512,
+            64,
+            128,
+            256,
+            65536,
+            2048,
+            (">=", 400.0, "TFLOPS"),
+        ),
+        _attn_case("decode glm packed T1 S65536 H64 k2048", "packed", 256, 0, 64, 1, 65536, 2048, ("<=", 10.0, "us")),
+        _attn_case("decode glm packed T17 S65536 H64 k2112", "packed", 256, 0, 64, 17, 65536, 2112, ("<=", 15.0, "us")),
+        _attn_case(
+            "prefill glm packed T4096 S8192 H64 k2048", "packed", 256, 0, 64, 4096, 8192, 2048, (">=", 400.0, "TFLOPS")
+        ),
         _attn_case("prefill deepseek fp8 T4096 S8192 H128 k2048", "fp8", 512, 64, 128, 4096, 8192, 2048),
         _attn_case("prefill glm fp8 T4096 S8192 H64 k2048", "fp8", 256, 0, 64, 4096, 8192, 2048),
         _attn_case("decode glm fp8 T1 S65536 H64 k2048", "fp8", 256, 0, 64, 1, 65536, 2048),
@@ -266,4 +367,42 @@ def bench_cases() -> list[dict]:
         _attn_case("decode glm packed T1 S65536 H8 k2048", "packed", 256, 0, 8, 1, 65536, 2048),
         _attn_case("decode glm packed T17 S65536 H8 k2112", "packed", 256, 0, 8, 17, 65536, 2112),
     ]
+    # with an attention sink, and through the FlashMLA face: each beside its core case above
+    for variant in ("sink", "flash_mla"):
+        cases += [
+            _attn_case(
+                f"prefill deepseek bf16 T4096 S8192 H128 k2048 {variant}",
+                "bf16",
+                512,
+                64,
+                128,
+                4096,
+                8192,
+                2048,
+                variant=variant,
+            ),
+            _attn_case(
+                f"decode deepseek packed T256 S65536 H128 k2048 {variant}",
+                "packed",
+                512,
+                64,
+                128,
+                256,
+                65536,
+                2048,
+                variant=variant,
+            ),
+            _attn_case(
+                f"decode deepseek packed T1 S65536 H128 k2048 {variant}",
+                "packed",
+                512,
+                64,
+                128,
+                1,
+                65536,
+                2048,
+                variant=variant,
+            ),
+        ]
+    cases.append(_attn_case("decode deepseek packed T1 S65536 H128 k2048", "packed", 512, 64, 128, 1, 65536, 2048))
     return cases

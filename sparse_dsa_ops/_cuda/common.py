@@ -34,7 +34,8 @@ def check_pool(op: str, name: str, pool: torch.Tensor, row_bytes: int) -> None:
             f"dsa.{op} on {pool.device.type}: {name} (rows of {row_bytes} bytes) must start at an address that "
             f"is a multiple of {need} bytes, as every row of a {ALIGN}-byte-aligned pool does; its data pointer "
             f"is {pool.data_ptr() % need} bytes past one (a view at a byte offset?). Pass a pool allocated by "
-            "torch, or a slice of one by whole rows or pages.")
+            "torch, or a slice of one by whole rows or pages."
+        )
 
 
 def slot_dtype(ids: torch.Tensor) -> str:

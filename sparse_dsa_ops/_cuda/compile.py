@@ -19,24 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["TARGETS", "KernelKey", "register_builder", "program", "pass_configs", "lower_source", "kernel", "warmup"]
+__all__ = ["TARGETS", "register_builder", "program", "pass_configs", "lower_source", "kernel", "warmup"]
 
 TARGETS = {"cuda": {"kind": "cuda", "arch": "sm_90a"}, "hip": {"kind": "hip", "mcpu": "gfx950"}}
-
-
-@dataclass(frozen=True)
-class KernelKey:
-    """A kernel of the K-cache and attention families: ``family`` names the builder, ``spec`` is its frozen
-    geometry record, ``flags`` the family's other choices (see the family's ``*_keys`` function)."""
-
-    family: str
-    spec: object
-    flags: tuple = ()
-
-    @property
-    def name(self) -> str:
-        flags = "_".join(str(f) for f in self.flags)
-        return f"{self.family}[{self.spec}{'; ' + flags if flags else ''}]"
 
 
 @dataclass(frozen=True)
@@ -48,15 +33,16 @@ class _Builder:
 _BUILDERS: dict[Hashable, _Builder] = {}
 
 
-def register_builder(kind: Hashable, build: Callable[[object], object],
-                     configs: Callable[[object], dict] | None = None) -> None:
-    """Register how keys of ``kind`` become programs: ``kind`` is a :class:`KernelKey` family name, or the type of a
-    family's own typed key (a frozen dataclass with a ``name``)."""
+def register_builder(
+    kind: Hashable, build: Callable[[object], object], configs: Callable[[object], dict] | None = None
+) -> None:
+    """Register how keys of type ``kind`` (a family's typed key: a frozen dataclass with a ``name``) become
+    programs."""
     _BUILDERS[kind] = _Builder(build, configs or (lambda key: {}))
 
 
 def _builder(key) -> _Builder:
-    return _BUILDERS[key.family if isinstance(key, KernelKey) else type(key)]
+    return _BUILDERS[type(key)]
 
 
 def program(key):
@@ -146,7 +132,11 @@ def warmup(keys: Iterable, workers: int = 8, progress: bool = True) -> None:
         for key in pool.map(build, programs):
             done += 1
             if progress:
-                print(f"\rsparse_dsa_ops: compiled {done}/{len(todo)} kernels ({key.name})".ljust(100), end="",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"\rsparse_dsa_ops: compiled {done}/{len(todo)} kernels ({key.name})".ljust(100),
+                    end="",
+                    file=sys.stderr,
+                    flush=True,
+                )
     if progress:
         print(file=sys.stderr)

@@ -91,8 +91,14 @@ def paged_index_logits(layout, q, cache, weights, lengths, page_table):
     if not layout.slots:
         return logits.fill_(-math.inf)  # no page-table entry lies inside an empty cache
     key = builders.paged_logits_key(dim, heads, layout.page, _Q_DTYPES[q.dtype], target())
-    kernel(key)(aligned(q.reshape(b_count * n, heads, dim)), _pages(cache, layout), aligned(weights),
-                aligned(lengths), aligned(page_table), logits)
+    kernel(key)(
+        aligned(q.reshape(b_count * n, heads, dim)),
+        _pages(cache, layout),
+        aligned(weights),
+        aligned(lengths),
+        aligned(page_table),
+        logits,
+    )
     return logits
 
 
@@ -106,8 +112,10 @@ def warmup_keys(heads=(), dim=128, page=64, round_scale=(False,), slot_dtypes=("
     keys += [builders.QuantIndexKey(dim, page, rs, sd) for rs in round_scale for sd in slot_dtypes]
     keys += [builders.GatherIndexKey(dim, page, sd) for sd in slot_dtypes]
     for h in heads:
-        keys += [builders.index_logits_key(dim, h, "float8_e4m3fn", target()),
-                 builders.paged_logits_key(dim, h, page, "float8_e4m3fn", target())]
+        keys += [
+            builders.index_logits_key(dim, h, "float8_e4m3fn", target()),
+            builders.paged_logits_key(dim, h, page, "float8_e4m3fn", target()),
+        ]
     return keys
 
 
@@ -141,15 +149,26 @@ def _logits_case(heads: int, tokens: int, keys: int, causal: bool) -> dict:
         w = torch.randn(tokens, heads, device="cuda", generator=gen)
         ks = torch.zeros(tokens, dtype=torch.int32, device="cuda")
         # causal: the last token sees every key, the first keys - tokens + 1
-        ke = (torch.arange(tokens, device="cuda", dtype=torch.int32) + (keys - tokens + 1) if causal
-              else torch.full((tokens,), keys, dtype=torch.int32, device="cuda"))
+        ke = (
+            torch.arange(tokens, device="cuda", dtype=torch.int32) + (keys - tokens + 1)
+            if causal
+            else torch.full((tokens,), keys, dtype=torch.int32, device="cuda")
+        )
         return q, k, k_scale, w, ks, ke
 
     pairs = tokens * keys - (tokens * (tokens - 1) // 2 if causal else 0)
     key = builders.index_logits_key(DIM, heads, "float8_e4m3fn", "cuda")
-    return dict(name=f"index_logits h{heads} T{tokens} N{keys // 1024}K{' causal' if causal else ''}",
-                op="index_logits", make=make, flops=2 * pairs * heads * DIM, roof=True,
-                bytes=keys * (DIM + 4) + tokens * keys * 4, keys=[key], path=key.name, target=LOGITS_TARGET)
+    return dict(
+        name=f"index_logits h{heads} T{tokens} N{keys // 1024}K{' causal' if causal else ''}",
+        op="index_logits",
+        make=make,
+        flops=2 * pairs * heads * DIM,
+        roof=True,
+        bytes=keys * (DIM + 4) + tokens * keys * 4,
+        keys=[key],
+        path=key.name,
+        target=LOGITS_TARGET,
+    )
 
 
 def _paged_case(heads: int, batch: int, context: int) -> dict:
@@ -159,7 +178,7 @@ def _paged_case(heads: int, batch: int, context: int) -> dict:
         gen = _gen()
         pages = batch * max_pages
         cache = torch.randint(0, 120, (pages, PAGE * (DIM + 4)), dtype=torch.uint8, device="cuda", generator=gen)
-        cache[:, PAGE * DIM:].view(torch.float32).fill_(0.01)  # the scales
+        cache[:, PAGE * DIM :].view(torch.float32).fill_(0.01)  # the scales
         q = _fp8((batch, 1, heads, DIM), gen)
         w = torch.randn(batch, heads, device="cuda", generator=gen)
         lengths = torch.full((batch,), context, dtype=torch.int32, device="cuda")
@@ -167,10 +186,17 @@ def _paged_case(heads: int, batch: int, context: int) -> dict:
         return q, cache, w, lengths, table
 
     key = builders.paged_logits_key(DIM, heads, PAGE, "float8_e4m3fn", "cuda")
-    return dict(name=f"paged_index_logits h{heads} B{batch} {context // 1024}K", op="paged_index_logits",
-                make=make, flops=2 * batch * context * heads * DIM, roof=True,
-                bytes=batch * context * (DIM + 4 + 4), keys=[key], path=key.name,
-                target=PAGED_ROW_TARGET if batch == 1 else PAGED_BATCH_TARGET)
+    return dict(
+        name=f"paged_index_logits h{heads} B{batch} {context // 1024}K",
+        op="paged_index_logits",
+        make=make,
+        flops=2 * batch * context * heads * DIM,
+        roof=True,
+        bytes=batch * context * (DIM + 4 + 4),
+        keys=[key],
+        path=key.name,
+        target=PAGED_ROW_TARGET if batch == 1 else PAGED_BATCH_TARGET,
+    )
 
 
 def _store_case(op: str, rows: int) -> dict:
@@ -186,8 +212,16 @@ def _store_case(op: str, rows: int) -> dict:
     key = builders.QuantIndexKey(DIM, 0 if op == "quant_index" else PAGE)
     moved = rows * (2 * DIM + DIM + 4 + (4 if op == "store_index_k" else 0))
     big = rows >= 1 << 20
-    return dict(name=f"{op} {rows if rows < 1024 else f'{rows >> 20}M'} rows", op=op, make=make, flops=None,
-                bytes=moved, keys=[key], path=key.name, target=STORE_TARGET if big else SMALL_STORE_TARGET)
+    return dict(
+        name=f"{op} {rows if rows < 1024 else f'{rows >> 20}M'} rows",
+        op=op,
+        make=make,
+        flops=None,
+        bytes=moved,
+        keys=[key],
+        path=key.name,
+        target=STORE_TARGET if big else SMALL_STORE_TARGET,
+    )
 
 
 def bench_cases() -> list[dict]:

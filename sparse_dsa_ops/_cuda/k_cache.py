@@ -9,31 +9,42 @@ from csrc_tl import k_cache as builders
 from ..layout import KCacheLayout
 from ..ops import takes_checked
 from .common import aligned, check_pool, pool_rows, pool_slots, slot_dtype
-from .compile import KernelKey, kernel, register_builder
+from .compile import kernel, register_builder
 
-__all__ = ["cache_keys", "quant_k_cache", "store_k_cache", "dequant_k_cache", "gather_k_cache",
-           "gather_dequant_k_cache", "bench_cases"]
+__all__ = [
+    "cache_keys",
+    "quant_k_cache",
+    "store_k_cache",
+    "dequant_k_cache",
+    "gather_k_cache",
+    "gather_dequant_k_cache",
+    "bench_cases",
+]
 
-register_builder("quant", lambda key: builders.build_quant(key.spec, round_scale=key.flags[0], scatter=False))
-register_builder("store", lambda key: builders.build_quant(key.spec, round_scale=key.flags[0], scatter=True,
-                                                           slot_dtype=key.flags[1]))
-register_builder("dequant", lambda key: builders.build_dequant(key.spec, gather=False))
-register_builder("gather_dequant", lambda key: builders.build_dequant(key.spec, gather=True, slot_dtype=key.flags[0]))
-register_builder("gather", lambda key: builders.build_gather_bytes(key.spec, slot_dtype=key.flags[0]))
+register_builder(builders.CacheKey, builders.build, builders.pass_configs)
+
+# op -> the kernel it runs (the gathers and the store take slot ids, the quantizing kernels round_scale)
+_KERNELS = {
+    "quant_k_cache": "quant",
+    "store_k_cache": "store",
+    "dequant_k_cache": "dequant",
+    "gather_k_cache": "gather",
+    "gather_dequant_k_cache": "gather_dequant",
+}
 
 
-def cache_keys(op: str, layout: KCacheLayout, round_scale: bool = False, slot_dtype: str = "int32") -> list[KernelKey]:
-    """The kernels a cache op runs for ``layout`` (flags: round_scale, then the slot dtype)."""
-    return {
-        "quant_k_cache": [KernelKey("quant", layout, (round_scale,))],
-        "store_k_cache": [KernelKey("store", layout, (round_scale, slot_dtype))],
-        "dequant_k_cache": [KernelKey("dequant", layout)],
-        "gather_dequant_k_cache": [KernelKey("gather_dequant", layout, (slot_dtype,))],
-        "gather_k_cache": [KernelKey("gather", layout, (slot_dtype,))],
-    }[op]
+def cache_keys(
+    op: str, layout: KCacheLayout, round_scale: bool = False, slot_dtype: str = "int32"
+) -> list[builders.CacheKey]:
+    """The kernels the cache op ``op`` runs for ``layout``."""
+    kind = _KERNELS[op]
+    slots = slot_dtype if kind in builders.SLOT_KERNELS else ""
+    return [builders.CacheKey(kind, layout, round_scale and kind in builders.QUANT_KERNELS, slots)]
 
 
-def warmup_keys(layout: KCacheLayout, round_scale=(False, True), slot_dtypes=("int32", "int64")) -> list[KernelKey]:
+def warmup_keys(
+    layout: KCacheLayout, round_scale=(False, True), slot_dtypes=("int32", "int64")
+) -> list[builders.CacheKey]:
     """Every K-cache kernel of ``layout``."""
     keys = []
     for slot in slot_dtypes:
@@ -48,9 +59,11 @@ def _check_quant_layout(op: str, lay: KCacheLayout) -> None:
     """Raise a ValueError for rows the quantizing kernels cannot write: their float32 scales and bf16 tail pairs
     are stored as 4-byte words, so a row must be a multiple of 4 bytes (an even d_rope)."""
     if lay.row_bytes % 4:
-        raise ValueError(f"dsa.{op} on a GPU: k_rope must have an even width, got d_rope = {lay.d_rope} (rows of "
-                         f"{lay.row_bytes} bytes; the kernels store rows of a multiple of 4 bytes). The CPU "
-                         "reference takes any width.")
+        raise ValueError(
+            f"dsa.{op} on a GPU: k_rope must have an even width, got d_rope = {lay.d_rope} (rows of "
+            f"{lay.row_bytes} bytes; the kernels store rows of a multiple of 4 bytes). The CPU "
+            "reference takes any width."
+        )
 
 
 def quant_k_cache(k_nope, k_rope, round_scale=False):
@@ -127,13 +140,25 @@ def _cache_case(name, op, d_nope, d_rope, rows, target=None):
             return (pool,)
         return (pool, ids)
 
-    in_bytes = {"quant_k_cache": 2 * lay.d_qk, "store_k_cache": 2 * lay.d_qk + 4, "dequant_k_cache": lay.row_bytes,
-                "gather_k_cache": lay.row_bytes + 4, "gather_dequant_k_cache": lay.row_bytes + 4}[op]
+    in_bytes = {
+        "quant_k_cache": 2 * lay.d_qk,
+        "store_k_cache": 2 * lay.d_qk + 4,
+        "dequant_k_cache": lay.row_bytes,
+        "gather_k_cache": lay.row_bytes + 4,
+        "gather_dequant_k_cache": lay.row_bytes + 4,
+    }[op]
     out_bytes = 2 * lay.d_qk if "dequant" in op else lay.row_bytes
     keys = cache_keys(op, lay, slot_dtype="int32")
-    return dict(name=name, op=op, make=make, flops=None, bytes=rows * (in_bytes + out_bytes), keys=keys,
-                path=keys[0].family, target=target)
-
+    return dict(
+        name=name,
+        op=op,
+        make=make,
+        flops=None,
+        bytes=rows * (in_bytes + out_bytes),
+        keys=keys,
+        path=keys[0].family,
+        target=target,
+    )
 
 
 CACHE_OPS = ("quant_k_cache", "store_k_cache", "dequant_k_cache", "gather_k_cache", "gather_dequant_k_cache")

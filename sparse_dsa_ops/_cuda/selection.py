@@ -71,7 +71,7 @@ def topk(args, logits, lengths, k, starts=None, page_table=None, row_request=Non
     row_state = torch.empty(rows, builders.ROW_STATE, dtype=torch.int32, device=dev)
     cand = torch.empty(rows, plan.chunks, 2, plan.chunk, dtype=torch.int32, device=dev)
     cand_count = torch.empty(rows, plan.chunks, dtype=torch.int32, device=dev)
-    kernel(keys[0])(logits, lengths, *optional[:1 if starts is not None else 0], counters, row_state, cand)
+    kernel(keys[0])(logits, lengths, *optional[: 1 if starts is not None else 0], counters, row_state, cand)
     kernel(keys[1])(logits, lengths, *optional, counters, row_state, cand, cand_count, out)
     return out
 
@@ -120,5 +120,9 @@ def _case(rows: int, width: int, k: int, causal: bool = False) -> dict:
 
 def bench_cases() -> list[dict]:
     """The top-k cases of ``python -m sparse_dsa_ops bench``, with their targets (bound, value, unit)."""
-    return [_case(1, 131072, 2048), _case(4, 131072, 2048), _case(64, 131072, 2048),
-            _case(4096, 65536, 2048, causal=True)]
+    return [
+        _case(1, 131072, 2048),
+        _case(4, 131072, 2048),
+        _case(64, 131072, 2048),
+        _case(4096, 65536, 2048, causal=True),
+    ]
