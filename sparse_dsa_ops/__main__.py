@@ -68,10 +68,23 @@ class Case:
     make: Callable[[torch.Generator], tuple]  # CPU inputs
     run: Callable[..., object]  # the op
     ref: Callable[..., object]  # the reference on CPU inputs
-    exact: bool  # bytes must match; otherwise relative L2 error of the first output
+    exact: bool  # bytes must match; otherwise -inf at the same places and a small relative L2 error elsewhere
 
 
-def _cases(n_rows: int, tokens: int, topk: int, slots: int) -> list[Case]:
+def _in_place(op: Callable, arg: int) -> Callable:
+    """``op`` (which writes its argument ``arg`` in place and returns nothing) as a function of a copy of its inputs
+    that returns what it wrote."""
+
+    def run(*args):
+        target = args[arg].clone()
+        op(*args[:arg], target, *args[arg + 1 :])
+        return target
+
+    return run
+
+
+def _cache_and_attention_cases(n_rows: int, tokens: int, topk: int, slots: int) -> list[Case]:
+    """The K-cache ops and sparse attention at DeepSeek-V3.2's and GLM-5.3-Flash's rows."""
     ops = torch.ops.dsa
     cases = []
     for geo, (d_nope, d_rope, heads) in GEOMETRIES.items():
@@ -99,14 +112,8 @@ def _cases(n_rows: int, tokens: int, topk: int, slots: int) -> list[Case]:
             idx = torch.randint(-1, slots, (t_count, topk), generator=gen, dtype=torch.int32)
             return q, kv, idx, lay.d_qk**-0.5, lay.d_nope, None
 
-        def store_ref(k, r, cache, loc, rs):
-            cache = cache.clone()
-            reference.store_k_cache(k, r, cache, loc, rs)
-            return cache
-
-        def store_run(k, r, cache, loc, rs):
-            ops.store_k_cache(k, r, cache, loc, rs)
-            return cache
+        def store_inputs(g, k=k_rows, p=pool):
+            return (*k(g, n_rows), p(g), torch.randperm(slots, generator=g)[:n_rows].int(), True)
 
         cases += [
             Case(
@@ -120,14 +127,9 @@ def _cases(n_rows: int, tokens: int, topk: int, slots: int) -> list[Case]:
             Case(
                 "store_k_cache",
                 geo,
-                lambda g, k=k_rows, p=pool: (
-                    *k(g, n_rows),
-                    p(g),
-                    torch.randperm(slots, generator=g)[:n_rows].int(),
-                    True,
-                ),
-                store_run,
-                store_ref,
+                store_inputs,
+                _in_place(ops.store_k_cache, 2),
+                _in_place(reference.store_k_cache, 2),
                 True,
             ),
             Case(
@@ -149,40 +151,144 @@ def _cases(n_rows: int, tokens: int, topk: int, slots: int) -> list[Case]:
                 reference.gather_dequant_k_cache,
                 True,
             ),
-            Case(
-                "sparse_attn bf16",
-                geo,
-                lambda g, a=attn_inputs: a(g, "bf16"),
-                ops.sparse_attn,
-                reference.sparse_attn,
-                False,
-            ),
-            Case(
-                "sparse_attn packed",
-                geo,
-                lambda g, a=attn_inputs: a(g, "packed"),
-                ops.sparse_attn,
-                reference.sparse_attn,
-                False,
-            ),
-            Case(
-                "sparse_attn fp8",
-                geo,
-                lambda g, a=attn_inputs: a(g, "fp8"),
-                ops.sparse_attn,
-                reference.sparse_attn,
-                False,
-            ),
-            Case(
-                "sparse_attn T2 packed",
-                geo,
-                lambda g, a=attn_inputs: a(g, "packed", 2),
-                ops.sparse_attn,
-                reference.sparse_attn,
-                False,
-            ),
         ]
+        for kind, t_count in (("bf16", tokens), ("packed", tokens), ("fp8", tokens), ("packed", 2)):
+            name = f"sparse_attn {kind}" if t_count == tokens else f"sparse_attn T{t_count} {kind}"
+            cases.append(
+                Case(
+                    name,
+                    geo,
+                    lambda g, a=attn_inputs, k=kind, t=t_count: a(g, k, t),
+                    ops.sparse_attn,
+                    reference.sparse_attn,
+                    False,
+                )
+            )
+        cases.append(
+            Case(
+                "attn_max_logits",
+                geo,
+                lambda g, a=attn_inputs: a(g, "packed", 2)[:5],
+                ops.attn_max_logits,
+                reference.attn_max_logits,
+                False,
+            )
+        )
     return cases
+
+
+INDEX_DIM, INDEX_PAGE = 128, 64
+INDEX_HEADS = {"deepseek": 64, "glm": 32}  # the two models' indexer heads
+
+
+def _indexer_cases(n_rows: int, tokens: int, keys: int, batch: int) -> list[Case]:
+    """The indexer's five ops at DeepSeek-V3.2's indexer (64 heads of 128; the cache ops do not depend on heads)."""
+    ops, geo, heads = torch.ops.dsa, "deepseek", INDEX_HEADS["deepseek"]
+    pages = -(-keys // INDEX_PAGE)
+
+    def cache(gen, pages=pages):
+        c = torch.zeros(pages, INDEX_PAGE * (INDEX_DIM + 4), dtype=torch.uint8)
+        k = torch.randn(pages * INDEX_PAGE, INDEX_DIM, generator=gen).bfloat16()
+        reference.store_index_k(k, c, torch.arange(pages * INDEX_PAGE, dtype=torch.int32))
+        return c
+
+    def fp8(gen, *shape):
+        return (torch.randn(*shape, generator=gen) * 0.5).to(torch.float8_e4m3fn)
+
+    def slot_ids(gen):
+        ids = torch.randint(0, pages * INDEX_PAGE, (n_rows,), generator=gen, dtype=torch.int32)
+        ids[::7] = -1
+        return ids
+
+    def store_inputs(gen):
+        store_pages = 2 * n_rows // INDEX_PAGE  # half the slots written
+        loc = torch.randperm(store_pages * INDEX_PAGE, generator=gen)[:n_rows].int()
+        return torch.randn(n_rows, INDEX_DIM, generator=gen).bfloat16(), cache(gen, store_pages), loc, False
+
+    def logits_inputs(gen):
+        ke = torch.randint(0, keys + 1, (tokens,), generator=gen, dtype=torch.int32)
+        ks = (ke - torch.randint(0, keys // 2, (tokens,), generator=gen, dtype=torch.int32)).clamp_min(0)
+        k = fp8(gen, keys, INDEX_DIM)
+        return (
+            fp8(gen, tokens, heads, INDEX_DIM),
+            k,
+            torch.rand(keys, generator=gen) + 0.5,
+            torch.randn(tokens, heads, generator=gen),
+            ks,
+            ke,
+        )
+
+    def paged_inputs(gen):
+        max_pages = pages // batch
+        table = torch.randperm(pages, generator=gen)[: batch * max_pages].int().reshape(batch, max_pages)
+        lengths = torch.randint(0, max_pages * INDEX_PAGE + 1, (batch * 2,), generator=gen, dtype=torch.int32)
+        q = fp8(gen, batch, 2, heads, INDEX_DIM)
+        return q, cache(gen), torch.randn(batch * 2, heads, generator=gen), lengths, table
+
+    return [
+        Case(
+            "quant_index",
+            geo,
+            lambda g: (torch.randn(n_rows, INDEX_DIM, generator=g).bfloat16(), False),
+            ops.quant_index,
+            reference.quant_index,
+            True,
+        ),
+        Case(
+            "store_index_k",
+            geo,
+            store_inputs,
+            _in_place(ops.store_index_k, 1),
+            _in_place(reference.store_index_k, 1),
+            True,
+        ),
+        Case(
+            "gather_index_k",
+            geo,
+            lambda g: (cache(g), slot_ids(g), INDEX_DIM),
+            ops.gather_index_k,
+            reference.gather_index_k,
+            True,
+        ),
+        Case("index_logits", geo, logits_inputs, ops.index_logits, reference.index_logits, False),
+        Case("paged_index_logits", geo, paged_inputs, ops.paged_index_logits, reference.paged_index_logits, False),
+    ]
+
+
+def _topk_cases(rows: int, width: int, k: int) -> list[Case]:
+    """Exact top-k: a few long rows (a row split over CTAs on a GPU) and many short rows to pool slots."""
+
+    def few_long(gen):
+        logits = torch.randn(4, width * 8, generator=gen)
+        return logits, torch.randint(0, width * 8 + 1, (4,), generator=gen, dtype=torch.int32), k
+
+    def many_paged(gen):
+        logits = torch.randn(rows, width, generator=gen)
+        lengths = torch.randint(0, width + 1, (rows,), generator=gen, dtype=torch.int32)
+        table = torch.randperm(rows * width // 64, generator=gen).int().reshape(rows, width // 64)
+        table[:, ::5] = -1
+        return logits, lengths, k, None, table
+
+    return [
+        Case("topk", "few long rows", few_long, torch.ops.dsa.topk, reference.topk, True),
+        Case("topk to slots", "many rows", many_paged, torch.ops.dsa.topk, reference.topk, True),
+    ]
+
+
+def _check_cases(on_cpu: bool) -> list[Case]:
+    """Every op's cases; on a GPU, at sizes where 256 tokens take the attention prefill path at both geometries,
+    2 tokens the split decode path, and a few long top-k rows are split over CTAs."""
+    if on_cpu:
+        return (
+            _cache_and_attention_cases(n_rows=4096, tokens=4, topk=2048, slots=16384)
+            + _indexer_cases(n_rows=4096, tokens=8, keys=1024, batch=2)
+            + _topk_cases(rows=8, width=1024, k=256)
+        )
+    return (
+        _cache_and_attention_cases(n_rows=65536, tokens=256, topk=2048, slots=65536)
+        + _indexer_cases(n_rows=65536, tokens=128, keys=4096, batch=4)
+        + _topk_cases(rows=256, width=8192, k=2048)
+    )
 
 
 def _first(x):
@@ -210,15 +316,34 @@ def _warm_up_check() -> None:
     minutes); the progress line says what it is doing."""
     print("compiling the check's kernels in parallel (TileLang's disk cache makes the next run fast)", flush=True)
     from . import _cuda
-    from ._cuda import attention, k_cache
+    from ._cuda import attention, indexer, k_cache, selection
 
     keys = []
     for d_nope, d_rope, heads in GEOMETRIES.values():
         scale = (d_nope + d_rope) ** -0.5
         for kind, q_fp8 in (("bf16", False), ("packed", False), ("fp8", True)):  # the q of each attention case
             keys += attention.attn_keys(kind, d_nope, d_rope, heads, scale, False, q_fp8=q_fp8)
-        keys += k_cache.warmup_keys(KCacheLayout(d_nope, d_rope), slot_dtypes=("int32",))
+        keys += k_cache.warmup_keys(KCacheLayout(d_nope, d_rope), round_scale=(False, True), slot_dtypes=("int32",))
+    keys += indexer.warmup_keys(INDEX_HEADS["deepseek"], INDEX_DIM, INDEX_PAGE)
+    keys += selection.TopkPlan(2, 0).keys(2048, 0, False, False)  # a few long rows: split over CTAs
+    keys += selection.TopkPlan(1, 0).keys(2048, 64, False, False)  # many rows to slots: a CTA a row
     _cuda.warmup(keys, workers=16)
+
+
+def _compare(got: torch.Tensor, want: torch.Tensor, exact: bool) -> tuple[bool, str]:
+    """Whether ``got`` matches the reference's ``want``: the same bytes, or infinities at the same places and a
+    relative L2 error of at most 1e-2 over the finite entries."""
+    if got.shape != want.shape:
+        return False, f"shape {list(got.shape)}, reference {list(want.shape)}"
+    if exact:
+        ok = torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        return ok, "bytes equal" if ok else "bytes differ"
+    got, want = got.float(), want.float()
+    finite = torch.isfinite(want)
+    if not torch.equal(finite, torch.isfinite(got)) or not torch.equal(got[~finite], want[~finite]):
+        return False, "inf or NaN at other places"
+    err = ((got[finite] - want[finite]).norm() / want[finite].norm().clamp_min(1e-30)).item()
+    return err <= 1e-2, f"rel L2 {err:.1e}"
 
 
 def check(device: torch.device) -> int:
@@ -227,29 +352,15 @@ def check(device: torch.device) -> int:
         print(f"{key:<10}{value}")
     print()
     on_cpu = device.type == "cpu"
-    # on a GPU, 256 tokens take the prefill path at both geometries and 2 tokens the split decode path
-    sizes = (
-        dict(n_rows=4096, tokens=4, topk=2048, slots=16384)
-        if on_cpu
-        else dict(n_rows=65536, tokens=256, topk=2048, slots=65536)
-    )
     if not on_cpu:
         _warm_up_check()
     rows, failures = [], 0
-    for case in _cases(**sizes):
+    for case in _check_cases(on_cpu):
         gen = torch.Generator().manual_seed(0)
         inputs = case.make(gen)
         try:
-            got = _first(case.run(*_to(inputs, device)))
-            want = _first(case.ref(*inputs))
-            got = got.cpu()
-            if case.exact:
-                ok = got.shape == want.shape and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
-                detail = "bytes equal" if ok else "bytes differ"
-            else:
-                err = ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30)).item()
-                ok = err <= 1e-2
-                detail = f"rel L2 {err:.1e}"
+            got = _first(case.run(*_to(inputs, device))).cpu()
+            ok, detail = _compare(got, _first(case.ref(*inputs)), case.exact)
             dev_inputs = _to(inputs, device)
             ms = _time_ms(lambda c=case, a=dev_inputs: c.run(*a), device, 3 if on_cpu else 20)
             status = ("ok" if ok else "FAIL") + (" (reference backend)" if on_cpu else f" ({detail})")

@@ -7,24 +7,48 @@ from sparse_dsa_ops.__main__ import format_table, main
 
 
 def test_check_prints_every_op_on_the_cpu():
+    from sparse_dsa_ops.ops import OPS
+
     run = subprocess.run([sys.executable, "-m", "sparse_dsa_ops"], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     out = run.stdout
     assert "torch" in out and "tilelang" in out and "device" in out
-    for op in (
-        "quant_k_cache",
-        "store_k_cache",
-        "dequant_k_cache",
-        "gather_k_cache",
-        "gather_dequant_k_cache",
-        "sparse_attn bf16",
-        "sparse_attn packed",
-        "sparse_attn fp8",
-        "sparse_attn T2 packed",
-    ):
+    table = out.split("-----", 1)[1].splitlines()
+    checked = {line.split()[0] for line in table if line.strip() and not line.startswith("-")}
+    assert checked >= set(OPS), f"the check leaves out {sorted(set(OPS) - checked)}"
+    for op in ("quant_k_cache", "sparse_attn bf16", "sparse_attn packed", "sparse_attn fp8", "sparse_attn T2 packed"):
         rows = [line for line in out.splitlines() if line.startswith(op + " ")]
         assert len(rows) == 2 and " deepseek " in rows[0] and " glm " in rows[1], rows
-    assert "18 of 18 ok" in out and "FAIL" not in out and "ERROR" not in out
+    total = sum(1 for line in table if " cpu " in line)
+    assert f"{total} of {total} ok" in out and "FAIL" not in out and "ERROR" not in out
+
+
+def test_warmup_compiles_each_key_once_with_a_progress_line(monkeypatch, capsys):
+    from dataclasses import dataclass
+
+    from sparse_dsa_ops._cuda import compile as tl_compile
+
+    @dataclass(frozen=True)
+    class Key:
+        n: int
+
+        @property
+        def name(self) -> str:
+            return f"kernel{self.n}"
+
+    built = []
+    monkeypatch.setattr(tl_compile, "program", lambda key: f"program{key.n}")
+    monkeypatch.setattr(tl_compile, "_compile", lambda key, func: built.append((key, func)) or (lambda: key))
+    keys = [Key(i % 5) for i in range(8)]
+    tl_compile.warmup(keys, workers=3)
+    assert sorted(k.n for k, _ in built) == list(range(5)) and all(f == f"program{k.n}" for k, f in built)
+    assert all(tl_compile.kernel(Key(i))() == Key(i) for i in range(5))
+    err = capsys.readouterr().err
+    assert "elaborating kernel 5/5" in err and "compiled 5/5 kernels" in err
+    tl_compile.warmup(keys, workers=3)  # all compiled: nothing to do
+    assert len(built) == 5 and capsys.readouterr().err == ""
+    for i in range(5):
+        tl_compile._KERNELS.pop(Key(i))
 
 
 def test_unknown_command_exits_with_usage(capsys):

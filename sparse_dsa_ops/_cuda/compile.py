@@ -11,10 +11,11 @@ TileLang is imported only when a kernel is built, so importing the package stays
 from __future__ import annotations
 
 import functools
+import logging
 import sys
 import threading
 from collections.abc import Callable, Hashable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 
 import torch
@@ -113,30 +114,33 @@ def warmup(keys: Iterable, workers: int = 8, progress: bool = True) -> None:
     todo = [k for k in dict.fromkeys(keys) if k not in _KERNELS]
     if not todo:
         return
-    if progress:
-        print(f"sparse_dsa_ops: elaborating {len(todo)} kernels", end="", file=sys.stderr, flush=True)
-    # Programs are elaborated here, one after another: TileLang's frontend builder keeps global
-    # state and is not safe to run in several threads. Lowering and nvcc run in parallel threads
-    # (as tilelang.par_compile does).
-    programs = [(key, program(key)) for key in todo]
 
-    def build(item):
-        key, func = item
+    def build(key, func):
         fn = _compile(key, func)
         with _LOCK:
             _KERNELS[key] = fn
         return key
 
-    done = 0
-    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(todo)))) as pool:
-        for key in pool.map(build, programs):
-            done += 1
-            if progress:
-                print(
-                    f"\rsparse_dsa_ops: compiled {done}/{len(todo)} kernels ({key.name})".ljust(100),
-                    end="",
-                    file=sys.stderr,
-                    flush=True,
-                )
+    def show(text: str) -> None:
+        if progress:
+            print(f"\rsparse_dsa_ops: {text}".ljust(110), end="", file=sys.stderr, flush=True)
+
+    # Programs are elaborated here, one after another: TileLang's frontend builder keeps global state and is not
+    # safe to run in several threads. Each program is handed to a thread as soon as it exists, so lowering and
+    # nvcc (which release the GIL) run while the next one is elaborated. TileLang's per-kernel log lines would
+    # break the progress line: it says only warnings meanwhile.
+    tl_log = logging.getLogger("tilelang")
+    level = tl_log.level
+    tl_log.setLevel(max(level, logging.WARNING))
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, min(workers, len(todo)))) as pool:
+            pending = []
+            for i, key in enumerate(todo):
+                show(f"elaborating kernel {i + 1}/{len(todo)} ({key.name})")
+                pending.append(pool.submit(build, key, program(key)))
+            for done, future in enumerate(as_completed(pending), 1):
+                show(f"compiled {done}/{len(todo)} kernels ({future.result().name})")
+    finally:
+        tl_log.setLevel(level)
     if progress:
         print(file=sys.stderr)
