@@ -37,6 +37,7 @@ def warmup(
     kv_kinds: tuple[str, ...] = ("bf16", "packed"),
     fp8_q: tuple[bool, ...] = (False,),
     topk_length: tuple[bool, ...] = (False, True),
+    attn_sink: tuple[bool, ...] = (False,),
     cache_ops: bool = True,
     round_scale: tuple[bool, ...] = (False, True),
     slot_dtypes: tuple[str, ...] = ("int32", "int64"),
@@ -55,12 +56,12 @@ def warmup(
 
     ``kv_kinds`` are the pools attention will read: "bf16", "fp8" (float8_e4m3fn values) and/or
     "packed" (FP8 rows); ``fp8_q`` whether q is bf16 (False), float8_e4m3fn (True) or either
-    ``(False, True)`` (a float8 q only goes with "fp8" or "packed" kv). ``topk_length`` says whether
-    calls pass lengths; ``cache_ops``, ``round_scale`` and ``slot_dtypes`` pick the cache kernels.
+    ``(False, True)`` (a float8 q only goes with "fp8" or "packed" kv). ``topk_length`` and ``attn_sink`` say
+    whether calls pass lengths and sinks; ``cache_ops``, ``round_scale`` and ``slot_dtypes`` pick the cache kernels.
     ``index_heads`` (with ``index_dim`` and the index-K cache's ``index_page``) adds the indexer's kernels, and
-    ``topk_k`` the top-k kernels of that k. ``workers`` threads lower and build kernels at once.
+    ``topk_k`` the top-k kernels of that k. ``workers`` compile processes (on a GPU) build kernels at once.
     """
-    keys = _cuda.attention.warmup_keys(heads, d_nope, d_rope, sm_scale, kv_kinds, fp8_q, topk_length)
+    keys = _cuda.attention.warmup_keys(heads, d_nope, d_rope, sm_scale, kv_kinds, fp8_q, topk_length, attn_sink)
     if cache_ops:
         keys += _cuda.k_cache.warmup_keys(KCacheLayout(d_nope, d_rope), round_scale, slot_dtypes)
     if index_heads:

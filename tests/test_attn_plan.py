@@ -385,6 +385,21 @@ def test_backend_plan_is_the_launch_plan():
             assert plan.split == ()
 
 
+def test_a_sink_changes_only_the_combine():
+    """With an attention sink the split path's combine folds it in; every other kernel is the one without."""
+    from dataclasses import replace
+
+    from sparse_dsa_ops import _cuda
+
+    for tokens in (1, 17, 4096):
+        args = ("packed", 256, 0, 64, GLM_PACKED.sm_scale, False, False, tokens, 2048, 132, "cuda")
+        plain, sink = _cuda.plan_attn(*args), _cuda.plan_attn(*args, sink=True)
+        assert sink.prefill == plain.prefill and sink.splits == plain.splits
+        if plain.split:
+            assert sink.split == (plain.split[0], replace(plain.split[1], sink=True))
+            assert sink.split[1].name == plain.split[1].name + "_sink"
+
+
 IMPORTS = (
     "import sys, csrc_tl.sparse_attn.launch; print(' '.join(sorted(m for m in ('torch', 'sparse_dsa_ops', "
     "'tilelang') if m in sys.modules)))"

@@ -273,10 +273,14 @@ def compiled():
     """Compile every kernel the ``cuda`` cases run, in parallel, before the first of them."""
     keys = []
     for case in PREFILL_CUDA:
-        keys += dsa._cuda.attn_keys("bf16", case.d_v, case.d_qk - case.d_v, case.h_q, PREFILL_SCALE, case.lengths)
+        keys += dsa._cuda.attn_keys(
+            "bf16", case.d_v, case.d_qk - case.d_v, case.h_q, PREFILL_SCALE, case.lengths, sink=case.sink
+        )
     for case in DECODE_CUDA:
         lay = case.layout
-        keys += dsa._cuda.attn_keys("packed", lay.d_nope, lay.d_rope, case.h_q, lay.d_qk**-0.5, case.lengths)
+        keys += dsa._cuda.attn_keys(
+            "packed", lay.d_nope, lay.d_rope, case.h_q, lay.d_qk**-0.5, case.lengths, sink=case.sink
+        )
     dsa._cuda.warmup(keys, workers=16, progress=False)
 
 

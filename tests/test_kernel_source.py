@@ -907,3 +907,15 @@ def test_persistent_prefill_source():
     assert body.count("dsa_bar_sync(13, 256)") == 2 and "dsa_ld_index(" in body
     for name, kind in NOT_PERSISTENT:
         assert "dsa_bar_sync(13" not in source(attn_keys(name, kind)[0], "cuda"), name
+
+
+@pytest.mark.parametrize("target", ["cuda", "hip"], ids=["sm90a", "gfx950"])
+def test_sink_combine_folds_the_sink_into_the_normalization(target):
+    # a split decode with an attention sink normalizes in its combine: exp(sink - lse) joins the denominator of
+    # out (and only of out); the combine without a sink neither takes nor reads one
+    from csrc_tl.sparse_attn.keys import CombineKey
+
+    plain, sink = (kernel_body(source(CombineKey(512, 64, 64, target == "cuda", s), target)) for s in (False, True))
+    assert "attn_sink" not in plain
+    assert re.search(r"1\.000000e\+00f?(\*/)? / \(total\[0\] \+ (__)?expf?\(\(attn_sink\[", sink), sink
+    assert sink.count("attn_sink[") == 1

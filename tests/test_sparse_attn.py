@@ -148,3 +148,29 @@ def test_deterministic(gen):
     a = dsa.sparse_attn(q, kv, idx, 0.1, 512)
     b = dsa.sparse_attn(q, kv, idx, 0.1, 512)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "packed", "packed-strided-pages"])
+def test_gpu_max_logits_scheme_matches_the_reference(gen, kind):
+    # the GPU backend's attn_max_logits is torch code over the gather kernels: run it here over the CPU ops
+    from sparse_dsa_ops import _cuda
+    from sparse_dsa_ops.ops import check_attn_max_logits
+
+    geo, t_count, heads, topk = DEEPSEEK, 5, 16, 192
+    idx = hostile_indices(gen, t_count, topk, NUM_SLOTS, empty_rows=[1])
+    kv = bf16_pool(gen, geo, unselected_slots(idx, NUM_SLOTS))
+    q = torch.randn(t_count, heads, geo.d_qk, generator=gen).bfloat16()
+    if kind == "fp8":
+        q, kv = q.to(torch.float8_e4m3fn), kv.nan_to_num().to(torch.float8_e4m3fn)
+    elif kind.startswith("packed"):
+        kv = dsa.quant_k_cache(kv[:, : geo.d_nope].nan_to_num(), kv[:, geo.d_nope :].nan_to_num())
+        if kind == "packed-strided-pages":  # pages of 50 rows, 60 rows apart
+            wide = torch.zeros(NUM_SLOTS // 50, 60, kv.shape[-1], dtype=torch.uint8)
+            wide[:, :50] = kv.view(-1, 50, kv.shape[-1])
+            kv = wide[:, :50]
+    lengths = torch.tensor([topk, topk, 0, 100, 1], dtype=torch.int32)
+    args = (q, kv, idx, geo.d_qk**-0.5, geo.d_nope, lengths)
+    got = _cuda.attention.attn_max_logits(check_attn_max_logits(*args), *args)
+    want = dsa.reference.attn_max_logits(*args)
+    assert torch.equal(got.isinf(), want.isinf()) and (want[2] == -math.inf).all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -11,10 +11,11 @@ COMBINE_VEC = 8  # bf16 partial columns a combine thread loads at once (16 bytes
 COMBINE_CHUNK = 16
 
 
-def build_combine(d_v: int, heads: int, part_heads: int, pdl: bool = False):
+def build_combine(d_v: int, heads: int, part_heads: int, pdl: bool = False, sink: bool = False):  # noqa: C901 (one kernel body: its loads, folds and stores)
     """Merge split partials: ``(part_out [T, NS, part_heads, d_v] bf16, part_lse [T, NS, H] f32,
-    out [T, H, d_v] bf16, lse [T, H] f32)``; splits with lse -inf weigh nothing, and if all are -inf out
-    is 0 and lse -inf.
+    [attn_sink [H] f32,] out [T, H, d_v] bf16, lse [T, H] f32)``; splits with lse -inf weigh nothing, and if all
+    are -inf out is 0 and lse -inf. With ``sink``, ``exp(attn_sink[h])`` joins the denominator of ``out`` (not
+    ``lse``): ``out = sum / (sum + exp(attn_sink - lse))`` in the merged terms, still 0 for an empty row.
 
     A head's row takes ``d_v / 8`` threads (several heads per block where that is under a block), each
     loading 8 columns; a thread loads the LSEs and columns of :data:`COMBINE_CHUNK` splits at once and
@@ -33,13 +34,13 @@ def build_combine(d_v: int, heads: int, part_heads: int, pdl: bool = False):
     chunk = max(1, COMBINE_CHUNK // vecs)  # keeps a thread's loaded columns at 64 registers or fewer
     neg_inf = -T.infinity(T.float32)
 
-    @T.prim_func
-    def combine(
-        part_out: T.Tensor((t_count, n_split, part_heads, d_v), T.bfloat16),
-        part_lse: T.Tensor((t_count, n_split, heads), T.float32),
-        out: T.Tensor((t_count, heads, d_v), T.bfloat16),
-        lse: T.Tensor((t_count, heads), T.float32),
-    ):
+    part_out_t = T.Tensor((t_count, n_split, part_heads, d_v), T.bfloat16)
+    part_lse_t = T.Tensor((t_count, n_split, heads), T.float32)
+    out_t = T.Tensor((t_count, heads, d_v), T.bfloat16)
+    lse_t = T.Tensor((t_count, heads), T.float32)
+
+    @T.macro
+    def merge(part_out, part_lse, attn_sink, out, lse):
         with T.Kernel(T.ceildiv(heads, per_block), t_count, threads=COMBINE_THREADS) as (hx, t):
             if pdl:
                 T.pdl_sync()
@@ -94,14 +95,33 @@ def build_combine(d_v: int, heads: int, part_heads: int, pdl: bool = False):
                                 acc[c, v] = acc[c, v] + w[i] * T.cast(vals[i, c, v], T.float32)
                     top[0] = new_top[0]
             # one reciprocal per row (total is at least 1 unless every split is empty)
+            if attn_sink is not None:  # the sink's term, exp(sink - top) in the merged scale, for out only
+                scale = T.alloc_local((1,), T.float32)
+                scale[0] = T.if_then_else(top[0] != neg_inf, 1.0 / (total[0] + T.exp(attn_sink[hc] - top[0])), 0.0)
             total[0] = T.if_then_else(top[0] != neg_inf, 1.0 / total[0], 0.0)
             if h < heads:
                 for c in T.unroll(vecs):
                     col = (c * row_threads + lane) * COMBINE_VEC
                     if col < d_v:
                         for v in T.vectorized(COMBINE_VEC):
-                            out[t, h, col + v] = T.cast(acc[c, v] * total[0], T.bfloat16)
+                            out[t, h, col + v] = T.cast(
+                                acc[c, v] * (total[0] if attn_sink is None else scale[0]), T.bfloat16
+                            )
                 if lane == 0:
                     lse[t, h] = T.if_then_else(top[0] != neg_inf, top[0] - T.log(total[0]), neg_inf)
+
+    if sink:
+
+        @T.prim_func
+        def combine(
+            part_out: part_out_t, part_lse: part_lse_t, attn_sink: T.Tensor((heads,), T.float32), out: out_t, lse: lse_t
+        ):
+            merge(part_out, part_lse, attn_sink, out, lse)
+
+        return combine
+
+    @T.prim_func
+    def combine(part_out: part_out_t, part_lse: part_lse_t, out: out_t, lse: lse_t):
+        merge(part_out, part_lse, None, out, lse)
 
     return combine

@@ -57,12 +57,14 @@ class CombineKey:
     heads: int
     partial_heads: int
     pdl: bool = False
+    sink: bool = False  # takes an attn_sink [H] float32 that joins the denominator of out
 
     family = "combine"
 
     @property
     def name(self) -> str:
-        return f"combine_dv{self.d_v}_h{self.heads}_ph{self.partial_heads}{'_pdl' if self.pdl else ''}"
+        flags = ("_pdl" if self.pdl else "") + ("_sink" if self.sink else "")
+        return f"combine_dv{self.d_v}_h{self.heads}_ph{self.partial_heads}{flags}"
 
     def __str__(self) -> str:
         return self.name
@@ -73,7 +75,7 @@ def build(key: "AttnKey | CombineKey"):
     if isinstance(key, CombineKey):
         from .combine import build_combine
 
-        return build_combine(key.d_v, key.heads, key.partial_heads, pdl=key.pdl)
+        return build_combine(key.d_v, key.heads, key.partial_heads, pdl=key.pdl, sink=key.sink)
     if key.warp_specialized:
         from .ws_kernel import build_attn_ws
 

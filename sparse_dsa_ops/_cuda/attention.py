@@ -24,7 +24,6 @@ from csrc_tl.sparse_attn.launch import (
     plan_tail,
 )
 
-from .. import reference
 from ..ops import AttnArgs, takes_checked
 from .common import aligned, check_pool, pool_rows, pool_slots
 from .compile import is_hopper, kernel, register_builder, sm_count
@@ -50,12 +49,13 @@ _PREFILL_SCHEMES = {PORTABLE: "prefill", WARP_SPECIALIZED: "prefill_ws", PERSIST
 _SPLIT_SCHEMES = {PORTABLE: "decode", WARP_SPECIALIZED: "decode_ws"}
 
 
-def _kernel_keys(geo: AttnGeometry, kernels: AttnKernels) -> tuple[AttnKey, AttnKey, CombineKey]:
-    """``(prefill kernel, split kernel, combine)``: the keys of the launch plan's ``kernels`` of ``geo``."""
+def _kernel_keys(geo: AttnGeometry, kernels: AttnKernels, sink: bool = False) -> tuple[AttnKey, AttnKey, CombineKey]:
+    """``(prefill kernel, split kernel, combine)``: the keys of the launch plan's ``kernels`` of ``geo``; with
+    ``sink`` the combine takes an attention sink."""
     ctas = kernels.ctas if kernels.prefill == PERSISTENT else 0  # the persistent kernel's grid
     prefill = AttnKey(_PREFILL_SCHEMES[kernels.prefill], geo, ctas)
     split = AttnKey(_SPLIT_SCHEMES[kernels.split], geo)
-    combine = CombineKey(geo.d_v, geo.heads, kernels.partial_heads, kernels.pdl)
+    combine = CombineKey(geo.d_v, geo.heads, kernels.partial_heads, kernels.pdl, sink)
     return prefill, split, combine
 
 
@@ -83,19 +83,20 @@ def attn_keys(
     target: str | None = None,
     q_fp8: bool = False,
     sm_count: int | None = None,
+    sink: bool = False,
 ) -> list[AttnKey | CombineKey]:
     """The kernels ``sparse_attn`` runs for one geometry on ``target`` (default: this machine's), in
     this order: the prefill kernel; the split decode kernels; the decode's combine (last).
 
     The launch plan picks them (:func:`csrc_tl.sparse_attn.launch.attn_kernels`): warp-specialized where the
     geometry allows on sm_90 CUDA, else portable. ``kv_kind`` is "bf16", "fp8" or "packed"; ``q_fp8`` picks the
-    kernels for a float8_e4m3fn q. A persistent prefill kernel is compiled for ``sm_count`` CTAs: by default the
-    current GPU's SM count, or :data:`csrc_tl.sparse_attn.DEFAULT_CTAS` (an H200's) for another target or without
-    a GPU."""
+    kernels for a float8_e4m3fn q, ``sink`` the combine of calls with an ``attn_sink``. A persistent prefill kernel
+    is compiled for ``sm_count`` CTAs: by default the current GPU's SM count, or
+    :data:`csrc_tl.sparse_attn.DEFAULT_CTAS` (an H200's) for another target or without a GPU."""
     geo = _geometry(kv_kind, d_v, d_rope, heads, sm_scale, has_topk_length, q_fp8)
     if sm_count is None and target is None and torch.cuda.is_available():
         sm_count = _sm_count_here()
-    prefill, split, combine = _kernel_keys(geo, attn_kernels(geo, _sm90(target), sm_count))
+    prefill, split, combine = _kernel_keys(geo, attn_kernels(geo, _sm90(target), sm_count), sink)
     return ([prefill] if "prefill" in paths else []) + ([split, combine] if "decode" in paths else [])
 
 
@@ -127,9 +128,9 @@ class AttnPlan:
         return f"{self.prefill.family} + {split} (last {self.tokens - self.prefill_tokens} tokens)"
 
     @classmethod
-    def of(cls, geo: AttnGeometry, launch: AttnLaunch) -> AttnPlan:
-        """The kernel keys of ``launch``, a call's launch plan over ``geo``."""
-        prefill, split, combine = _kernel_keys(geo, launch.kernels)
+    def of(cls, geo: AttnGeometry, launch: AttnLaunch, sink: bool = False) -> AttnPlan:
+        """The kernel keys of ``launch``, a call's launch plan over ``geo`` (``sink``: with an attention sink)."""
+        prefill, split, combine = _kernel_keys(geo, launch.kernels, sink)
         if not launch.split_tokens:
             return cls(launch.tokens, prefill, launch.tokens)
         return cls(
@@ -155,11 +156,12 @@ def plan_attn(
     topk: int,
     sm_count: int,
     target: str | None = None,
+    sink: bool = False,
 ) -> AttnPlan:
-    """The kernels and split count for one call (``target`` as in :func:`attn_keys`): the keys of its launch plan,
-    :func:`csrc_tl.sparse_attn.launch.plan_launch`."""
+    """The kernels and split count for one call (``target`` and ``sink`` as in :func:`attn_keys`): the keys of its
+    launch plan, :func:`csrc_tl.sparse_attn.launch.plan_launch`."""
     geo = _geometry(kv_kind, d_v, d_rope, heads, sm_scale, has_topk_length, q_fp8)
-    return AttnPlan.of(geo, plan_launch(geo, tokens, topk, sm_count, _sm90(target)))
+    return AttnPlan.of(geo, plan_launch(geo, tokens, topk, sm_count, _sm90(target)), sink)
 
 
 def warmup_keys(
@@ -170,15 +172,18 @@ def warmup_keys(
     kv_kinds=("bf16", "packed"),
     fp8_q=(False,),
     topk_length=(False, True),
+    attn_sink=(False,),
 ) -> list[AttnKey | CombineKey]:
-    """Every attention kernel of one model geometry (a float8 q only goes with fp8 or packed kv)."""
+    """Every attention kernel of one model geometry (a float8 q only goes with fp8 or packed kv); ``attn_sink``
+    whether calls pass a sink (False), do (True) or either."""
     keys = []
     for kind in kv_kinds:
         for has_len in topk_length:
             for q_fp8 in fp8_q:
-                if not (q_fp8 and kind == "bf16"):
-                    keys += attn_keys(kind, d_nope, d_rope, heads, sm_scale, has_len, q_fp8=q_fp8)
-    return keys
+                for sink in attn_sink:
+                    if not (q_fp8 and kind == "bf16"):
+                        keys += attn_keys(kind, d_nope, d_rope, heads, sm_scale, has_len, q_fp8=q_fp8, sink=sink)
+    return list(dict.fromkeys(keys))
 
 
 def _sm_count_here() -> int:
@@ -219,6 +224,7 @@ def sparse_attn(args: AttnArgs, q, kv, indices, sm_scale, d_v, topk_length=None,
         t_count,
         args.topk,
         sm_count(q.device),
+        sink=attn_sink is not None,
     )
     inputs = (q, idx) if topk_length is None else (q, idx, topk_length)
     main = plan.prefill_tokens
@@ -231,13 +237,15 @@ def sparse_attn(args: AttnArgs, q, kv, indices, sm_scale, d_v, topk_length=None,
             t_count - main, plan.splits, plan.partial_heads, d_v, dtype=torch.bfloat16, device=q.device
         )
         part_lse = torch.empty(t_count - main, plan.splits, heads, dtype=torch.float32, device=q.device)
+        sink = () if attn_sink is None else (aligned(attn_sink),)  # the combine folds it into its normalization
         kernel(plan.split[0])(rows[0], pool, *rows[1:], part_out, part_lse)
-        kernel(plan.split[1])(part_out, part_lse, _rows(out, main, t_count), _rows(lse, main, t_count))
-    if attn_sink is not None:
+        kernel(plan.split[1])(part_out, part_lse, *sink, _rows(out, main, t_count), _rows(lse, main, t_count))
+    if attn_sink is not None and main:
         # The sink joins the denominator only: out * sum / (sum + exp(sink)) = out * sigmoid(lse - sink), in place.
         # An empty row (lse -inf) keeps out = 0, also where the sink is -inf (-inf - -inf would be NaN).
-        weight = torch.where(lse == float("-inf"), 0.0, torch.sigmoid(lse - attn_sink))
-        out.mul_(weight.unsqueeze(-1))
+        out_rows, lse_rows = _rows(out, 0, main), _rows(lse, 0, main)
+        weight = torch.where(lse_rows == float("-inf"), 0.0, torch.sigmoid(lse_rows - attn_sink))
+        out_rows.mul_(weight.unsqueeze(-1))
     return out, lse
 
 
@@ -246,9 +254,52 @@ def _rows(x: torch.Tensor, first: int, end: int) -> torch.Tensor:
     return x if first == 0 and end == x.shape[0] else x[first:end]
 
 
-def attn_max_logits(q, kv, indices, sm_scale, d_v, topk_length=None):
-    # No kernel of its own yet: the reference's gather and matmuls, run on the GPU.
-    return reference.attn_max_logits(q, kv, indices, sm_scale, d_v, topk_length)
+def _scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``q [t, H, D] @ keys [t, K, D]^T`` in float32 from bf16 operands: a bf16 GEMM that returns float32 where torch
+    has it (2.8 and later), else a float32 GEMM of the widened operands."""
+    try:
+        return torch.bmm(q, keys.transpose(1, 2), out_dtype=torch.float32)
+    except (TypeError, NotImplementedError):  # no such argument, or no such kernel on this device
+        return torch.bmm(q.float(), keys.float().transpose(1, 2))
+
+
+# Bytes of selected rows (bf16) and their scores (float32) that attn_max_logits holds at once.
+MAX_LOGITS_CHUNK_BYTES = 1 << 30
+
+
+@takes_checked
+def attn_max_logits(args: AttnArgs, q, kv, indices, sm_scale, d_v, topk_length=None):
+    """No kernel of its own: each chunk of tokens gathers its selected rows as bf16 (packed rows dequantized by the
+    gather kernel, FP8 values widened exactly) and scores them with one batched bf16 GEMM that accumulates and
+    returns float32, as the reference's float32 product of the same bf16 values does up to summation order."""
+    t_count, heads, d_qk = q.shape
+    best = torch.full((t_count, heads), float("-inf"), dtype=torch.float32, device=q.device)
+    if t_count == 0 or args.topk == 0 or args.pool.slots == 0:
+        return best
+    packed = args.kv_kind == "packed"
+    rows = None if packed else pool_rows(kv, args.pool, packed=False)  # [rows, d_qk], a view
+    idx = indices.reshape(t_count, args.topk)
+    position = torch.arange(args.topk, device=q.device)
+    chunk = max(1, MAX_LOGITS_CHUNK_BYTES // (args.topk * (2 * d_qk + 4 * heads)))
+    for start in range(0, t_count, chunk):
+        stop = min(start + chunk, t_count)
+        ids = idx[start:stop]  # [t, K]
+        valid = (ids >= 0) & (ids < args.pool.slots)
+        if topk_length is not None:
+            valid &= position < topk_length[start:stop, None]
+        if packed:
+            keys = torch.ops.dsa.gather_dequant_k_cache(kv, ids.reshape(-1))  # [t * K, d_qk]; invalid ids: zeros
+        else:
+            safe = torch.where(valid, pool_slots(ids, args.pool), 0)  # [t, K], rows inside the pool
+            keys = rows[safe.reshape(-1)].to(torch.bfloat16)  # [t * K, d_qk]
+        keys = keys.view(stop - start, args.topk, d_qk)
+        scores = _scores(q[start:stop].to(torch.bfloat16), keys)  # [t, H, K] float32
+        scores.masked_fill_(~valid.unsqueeze(1), float("-inf"))  # [t, H, K]
+        if sm_scale > 0:  # rounding is monotonic: the scaled maximum is the maximum of the scaled scores
+            best[start:stop] = scores.amax(dim=-1) * sm_scale
+        else:
+            best[start:stop] = (scores * sm_scale).amax(dim=-1)
+    return best
 
 
 # ----------------------------------------------------------------------------------------------
@@ -291,6 +342,7 @@ def _attn_case(name, kind, d_nope, d_rope, heads, tokens, slots, topk, target=No
         tokens,
         topk,
         torch.cuda.get_device_properties(0).multi_processor_count,
+        sink=variant == "sink",
     )
     return dict(
         name=name,
