@@ -59,7 +59,7 @@ def warmup(
     ``(False, True)`` (a float8 q only goes with "fp8" or "packed" kv). ``topk_length`` and ``attn_sink`` say
     whether calls pass lengths and sinks; ``cache_ops``, ``round_scale`` and ``slot_dtypes`` pick the cache kernels.
     ``index_heads`` (with ``index_dim`` and the index-K cache's ``index_page``) adds the indexer's kernels, and
-    ``topk_k`` the top-k kernels of that k. ``workers`` compile processes (on a GPU) build kernels at once.
+    ``topk_k`` the top-k kernels of that k. ``workers`` threads build kernels at once.
     """
     keys = _cuda.attention.warmup_keys(heads, d_nope, d_rope, sm_scale, kv_kinds, fp8_q, topk_length, attn_sink)
     if cache_ops:

@@ -101,8 +101,9 @@ def _pad_topk(indices: torch.Tensor) -> torch.Tensor:
 
 
 def _lonely_lse(lse: torch.Tensor) -> torch.Tensor:
-    """The ops' lse (``-inf`` for a row with no valid entry) in FlashMLA's convention (``+inf`` there)."""
-    return torch.where(lse == -math.inf, math.inf, lse)
+    """The ops' lse (``-inf`` for a row with no valid entry) in FlashMLA's convention (``+inf`` there), in place: one
+    elementwise pass over the op's own output (a comparison and a select were two, about 2 us each in a decode)."""
+    return lse.nan_to_num_(nan=math.nan, posinf=math.inf, neginf=math.inf)
 
 
 def flash_mla_sparse_fwd(

@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
-import pickle
-import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Callable, Hashable, Iterable
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -112,55 +109,8 @@ def kernel(key) -> Callable:
     return _KERNELS[key]
 
 
-def _disk_cache() -> bool:
-    """Whether TileLang keeps built kernels on disk (what lets worker processes build them for this one)."""
-    try:
-        from tilelang.env import env
-
-        return env.is_cache_enabled()
-    except (ImportError, AttributeError):
-        return False
-
-
-def _prebuild(todo: list, workers: int, show: Callable[[str], None]) -> None:
-    """Build ``todo`` into TileLang's disk cache in ``workers`` compile processes (:mod:`._worker`), printing
-    progress. A worker that fails (TileLang's lowering can crash) costs only time: what is not on disk is compiled
-    in this process afterwards."""
-    parts = [todo[i::workers] for i in range(min(workers, len(todo)))]
-    done = [0]
-    lock = threading.Lock()
-
-    def run(part: list) -> None:
-        with tempfile.TemporaryFile() as err:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "sparse_dsa_ops._cuda._worker"],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=err,
-            )
-            proc.stdin.write(pickle.dumps(part))
-            proc.stdin.close()
-            for line in proc.stdout:
-                with lock:
-                    done[0] += 1
-                    show(f"compiled {done[0]}/{len(todo)} kernels in {len(parts)} processes ({part[int(line)].name})")
-            if proc.wait():
-                err.seek(0)
-                tail = err.read().decode(errors="replace").strip().splitlines()[-1:]
-                show(f"a compile process stopped ({tail[0] if tail else proc.returncode}); the rest compile here\n")
-
-    threads = [threading.Thread(target=run, args=(part,)) for part in parts]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-
-
 def warmup(keys: Iterable, workers: int = 8, progress: bool = True) -> None:
-    """Compile ``keys`` ahead of time, in parallel, with a progress line on stderr.
-
-    On a GPU with TileLang's disk cache on, ``workers`` compile processes build the kernels first and this process
-    loads them from the cache; otherwise ``workers`` threads build them here."""
+    """Compile ``keys`` ahead of time in ``workers`` threads, with a progress line on stderr."""
     todo = [k for k in dict.fromkeys(keys) if k not in _KERNELS]
     if not todo:
         return
@@ -175,12 +125,10 @@ def warmup(keys: Iterable, workers: int = 8, progress: bool = True) -> None:
         if progress:
             print(f"\rsparse_dsa_ops: {text}".ljust(110), end="", file=sys.stderr, flush=True)
 
-    if workers > 1 and len(todo) > 1 and torch.cuda.is_available() and _disk_cache():
-        _prebuild(todo, workers, show)
     # Programs are elaborated here, one after another: TileLang's frontend builder keeps global state and is not
-    # safe to run in several threads. Each program is handed to a thread as soon as it exists (a disk-cache hit
-    # after the compile processes). TileLang's per-kernel log lines would break the progress line: it says only
-    # warnings meanwhile.
+    # safe to run in several threads. Each program is handed to a thread as soon as it exists, so that nvcc runs
+    # while the next one is elaborated (lowering holds the GIL; compile processes were slower still: BENCHMARKS.md).
+    # TileLang's per-kernel log lines would break the progress line: it says only warnings meanwhile.
     tl_log = logging.getLogger("tilelang")
     level = tl_log.level
     tl_log.setLevel(max(level, logging.WARNING))
@@ -188,10 +136,10 @@ def warmup(keys: Iterable, workers: int = 8, progress: bool = True) -> None:
         with ThreadPoolExecutor(max_workers=max(1, min(workers, len(todo)))) as pool:
             pending = []
             for i, key in enumerate(todo):
-                show(f"loading kernel {i + 1}/{len(todo)} ({key.name})")
+                show(f"elaborating kernel {i + 1}/{len(todo)} ({key.name})")
                 pending.append(pool.submit(build, key, program(key)))
             for done, future in enumerate(as_completed(pending), 1):
-                show(f"ready {done}/{len(todo)} kernels ({future.result().name})")
+                show(f"compiled {done}/{len(todo)} kernels ({future.result().name})")
     finally:
         tl_log.setLevel(level)
     if progress:
