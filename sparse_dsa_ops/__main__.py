@@ -373,25 +373,18 @@ def check(device: torch.device) -> int:
     return failures
 
 
+def _source_families() -> dict:
+    """Each op with kernels -> its family's GPU module (each family declares its ``SOURCE_OPS``)."""
+    from . import _cuda
+
+    return {op: family for family in _cuda.FAMILIES for op in family.SOURCE_OPS}
+
+
 def source(args: argparse.Namespace) -> int:
     """Print the generated source of every kernel the op runs for the geometry."""
     from . import _cuda
 
-    if args.op == "sparse_attn":
-        sm_scale = args.sm_scale if args.sm_scale is not None else (args.d_nope + args.d_rope) ** -0.5
-        keys = _cuda.attn_keys(
-            args.kv,
-            args.d_nope,
-            args.d_rope,
-            args.heads,
-            sm_scale,
-            args.topk_length,
-            target=args.target,
-            q_fp8=args.q == "fp8",
-        )
-    else:
-        keys = _cuda.cache_keys(args.op, KCacheLayout(args.d_nope, args.d_rope), args.round_scale, args.slot_dtype)
-    for key in keys:
+    for key in _source_families()[args.op].source_keys(args.op, args):
         print(f"// ===== {key.name}, target {args.target} ({_cuda.TARGETS[args.target]}) =====")
         print(_cuda.lower_source(key, args.target))
     return 0
@@ -551,19 +544,13 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cuda_k_cache_ops() -> tuple[str, ...]:
-    from ._cuda.k_cache import CACHE_OPS
-
-    return CACHE_OPS
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sparse_dsa_ops", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command")
     p_check = sub.add_parser("check", help="environment and a self-check of every op (the default)")
     p_check.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p_src = sub.add_parser("source", help="print the generated kernel source of an op (no GPU needed)")
-    p_src.add_argument("--op", required=True, choices=("sparse_attn", *_cuda_k_cache_ops()))
+    p_src.add_argument("--op", required=True, choices=tuple(_source_families()))
     p_src.add_argument(
         "--kv",
         default="bf16",
@@ -575,9 +562,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     p_src.add_argument("--d-nope", type=int, default=512, help="latent (= value) width")
     p_src.add_argument("--d-rope", type=int, default=64, help="RoPE tail width (0 for none)")
-    p_src.add_argument("--heads", type=int, default=128)
+    p_src.add_argument("--heads", type=int, default=128, help="query heads, or the indexer's heads")
     p_src.add_argument("--sm-scale", type=float, default=None, help="default: d_qk ** -0.5")
     p_src.add_argument("--topk-length", action="store_true", help="the variant that takes topk_length")
+    p_src.add_argument("--attn-sink", action="store_true", help="the variant that takes an attention sink")
+    p_src.add_argument("--index-dim", type=int, default=128, help="the indexer's head dim")
+    p_src.add_argument(
+        "--page", type=int, default=64, help="tokens a page of the index-K cache, or of top-k's page table (0: none)"
+    )
+    p_src.add_argument("--k", type=int, default=2048, help="k of topk")
     p_src.add_argument("--round-scale", action="store_true")
     p_src.add_argument("--slot-dtype", default="int32", choices=("int32", "int64"))
     p_src.add_argument("--target", default="cuda", choices=("cuda", "hip"), help="cuda = sm_90a, hip = gfx950")

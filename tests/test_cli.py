@@ -257,3 +257,16 @@ def test_bench_table_and_json_on_the_cpu(monkeypatch, capsys, tmp_path):
     lines = capsys.readouterr().out.splitlines()
     assert next(line for line in lines if line.startswith("case")).split()[3] == "rate"
     assert lines[-1].split()[-11:-7] == ["13.0", "2000", "GB/s", "77%"] and lines[-1].endswith("missed by 3.8%")
+
+
+def test_source_covers_every_op_with_kernels():
+    from sparse_dsa_ops.__main__ import _source_families
+    from sparse_dsa_ops.ops import OPS
+
+    assert set(_source_families()) == set(OPS) - {"attn_max_logits"}  # (the one op without a kernel of its own)
+
+
+def test_source_prints_the_kernels_of_an_op(capsys):
+    assert main(["source", "--op", "store_index_k", "--page", "16", "--slot-dtype", "int64", "--target", "hip"]) == 0
+    out = capsys.readouterr().out
+    assert "// ===== store_index_k_d128_p16_i64, target hip" in out and "__global__" in out

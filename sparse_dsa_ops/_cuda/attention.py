@@ -29,6 +29,8 @@ from .common import aligned, check_pool, pool_rows, pool_slots
 from .compile import is_hopper, kernel, register_builder, sm_count
 
 __all__ = [
+    "SOURCE_OPS",
+    "source_keys",
     "attn_keys",
     "warmup_keys",
     "plan_splits",
@@ -184,6 +186,26 @@ def warmup_keys(
                     if not (q_fp8 and kind == "bf16"):
                         keys += attn_keys(kind, d_nope, d_rope, heads, sm_scale, has_len, q_fp8=q_fp8, sink=sink)
     return list(dict.fromkeys(keys))
+
+
+SOURCE_OPS = ("sparse_attn",)  # the ops ``python -m sparse_dsa_ops source`` prints this family's kernels of
+
+
+def source_keys(op: str, args) -> list[AttnKey | CombineKey]:
+    """The kernels of ``op`` for the command line's geometry ``args`` (``kv``, ``q``, ``d_nope``, ``d_rope``,
+    ``heads``, ``sm_scale``, ``topk_length``, ``attn_sink``, ``target``)."""
+    scale = args.sm_scale if args.sm_scale is not None else (args.d_nope + args.d_rope) ** -0.5
+    return attn_keys(
+        args.kv,
+        args.d_nope,
+        args.d_rope,
+        args.heads,
+        scale,
+        args.topk_length,
+        target=args.target,
+        q_fp8=args.q == "fp8",
+        sink=args.attn_sink,
+    )
 
 
 def _sm_count_here() -> int:

@@ -119,6 +119,25 @@ def warmup_keys(heads=(), dim=128, page=64, round_scale=(False,), slot_dtypes=("
     return keys
 
 
+# the ops ``python -m sparse_dsa_ops source`` prints this family's kernels of
+SOURCE_OPS = ("quant_index", "store_index_k", "gather_index_k", "index_logits", "paged_index_logits")
+
+
+def source_keys(op: str, args) -> list:
+    """The kernel of ``op`` for the command line's ``args`` (``heads`` indexer heads, ``index_dim``, ``page``,
+    ``q``, ``round_scale``, ``slot_dtype``, ``target``)."""
+    dim, page, q_dtype = args.index_dim, args.page, "float8_e4m3fn" if args.q == "fp8" else "bfloat16"
+    return [
+        {
+            "quant_index": lambda: builders.QuantIndexKey(dim, 0, args.round_scale),
+            "store_index_k": lambda: builders.QuantIndexKey(dim, page, args.round_scale, args.slot_dtype),
+            "gather_index_k": lambda: builders.GatherIndexKey(dim, page, args.slot_dtype),
+            "index_logits": lambda: builders.index_logits_key(dim, args.heads, q_dtype, args.target),
+            "paged_index_logits": lambda: builders.paged_logits_key(dim, args.heads, page, q_dtype, args.target),
+        }[op]()
+    ]
+
+
 # ----------------------------------------------------------------------------------------------
 # Bench cases: the roof of a logits case is max(FLOPs / FP8 matmul ceiling, bytes / copy ceiling), FLOPs of the
 # in-range (token, key) pairs only, bytes the keys read once plus the logits written.

@@ -162,6 +162,15 @@ def _cache_case(name, op, d_nope, d_rope, rows, target=None):
 
 
 CACHE_OPS = ("quant_k_cache", "store_k_cache", "dequant_k_cache", "gather_k_cache", "gather_dequant_k_cache")
+SOURCE_OPS = CACHE_OPS  # the ops ``python -m sparse_dsa_ops source`` prints this family's kernels of
+
+
+def source_keys(op: str, args) -> list[builders.CacheKey]:
+    """The kernels of ``op`` for the command line's ``args`` (``d_nope``, ``d_rope``, ``round_scale``,
+    ``slot_dtype``)."""
+    return cache_keys(op, KCacheLayout(args.d_nope, args.d_rope), args.round_scale, args.slot_dtype)
+
+
 BENCH_GEOMETRIES = {"deepseek": (512, 64), "glm": (256, 0)}  # d_nope, d_rope
 COPY_TARGET = (">=", 0.85, "of copy")  # 1M rows of a cache op: a fraction of the device copy of the same run
 

@@ -91,6 +91,15 @@ def warmup_keys(k=None, page_size=64, starts=(False, True), paged=(False, True),
     return list(dict.fromkeys(keys))
 
 
+SOURCE_OPS = ("topk",)  # the ops ``python -m sparse_dsa_ops source`` prints this family's kernels of
+
+
+def source_keys(op: str, args) -> list:
+    """Both schemes of ``topk`` for the command line's ``args``: ``k``, and ``page`` (pool slots through a page
+    table of that many tokens a page; 0: positions)."""
+    return TopkPlan(1, 0).keys(args.k, args.page, False, False) + TopkPlan(2, 0).keys(args.k, args.page, False, False)
+
+
 # ----------------------------------------------------------------------------------------------
 # Bench cases: the logits are read once (the byte count), against the device copy of the same run.
 
