@@ -178,12 +178,12 @@ def _cache_and_attention_cases(n_rows: int, tokens: int, topk: int, slots: int) 
 
 
 INDEX_DIM, INDEX_PAGE = 128, 64
-INDEX_HEADS = {"deepseek": 64, "glm": 32}  # the two models' indexer heads
+INDEX_HEADS = 64  # DeepSeek-V3.2's indexer heads
 
 
 def _indexer_cases(n_rows: int, tokens: int, keys: int, batch: int) -> list[Case]:
     """The indexer's five ops at DeepSeek-V3.2's indexer (64 heads of 128; the cache ops do not depend on heads)."""
-    ops, geo, heads = torch.ops.dsa, "deepseek", INDEX_HEADS["deepseek"]
+    ops, geo, heads = torch.ops.dsa, "deepseek", INDEX_HEADS
     pages = -(-keys // INDEX_PAGE)
 
     def cache(gen, pages=pages):
@@ -324,7 +324,7 @@ def _warm_up_check() -> None:
         for kind, q_fp8 in (("bf16", False), ("packed", False), ("fp8", True)):  # the q of each attention case
             keys += attention.attn_keys(kind, d_nope, d_rope, heads, scale, False, q_fp8=q_fp8)
         keys += k_cache.warmup_keys(KCacheLayout(d_nope, d_rope), round_scale=(False, True), slot_dtypes=("int32",))
-    keys += indexer.warmup_keys(INDEX_HEADS["deepseek"], INDEX_DIM, INDEX_PAGE)
+    keys += indexer.warmup_keys(INDEX_HEADS, INDEX_DIM, INDEX_PAGE)
     keys += selection.TopkPlan(2, 0).keys(2048, 0, False, False)  # a few long rows: split over CTAs
     keys += selection.TopkPlan(1, 0).keys(2048, 64, False, False)  # many rows to slots: a CTA a row
     _cuda.warmup(keys, workers=16)
