@@ -144,15 +144,14 @@ def flash_mla_sparse_fwd(
     lse : [s_q, h_q] float32
         Natural-log log-sum-exp of the scaled scores over valid j; ``+inf`` for a lonely row.
 
-    ``max_logits`` comes from :func:`sparse_dsa_ops.attn_max_logits`, a second pass over the selected rows;
-    :func:`sparse_dsa_ops.sparse_attn` alone is cheaper where it is not needed.
+    One call of :func:`sparse_dsa_ops.sparse_attn_with_max_logits`: the prefill kernels write ``max_logits`` beside
+    ``out`` (warm them up with ``sparse_dsa_ops.warmup(..., attn_sink=(False, True))``).
     """
     if isinstance(kv, torch.Tensor) and kv.dim() == 3 and kv.shape[1] != 1:
         _unsupported("kv", f"one KV head (h_kv = 1) only, got kv of shape {list(kv.shape)}")
     scale = float(sm_scale)
     idx = _pad_topk(indices)
-    out, lse = ops.sparse_attn(q, kv, idx, scale, d_v, topk_length, attn_sink)
-    max_logits = ops.attn_max_logits(q, kv, idx, scale, d_v, topk_length)
+    out, lse, max_logits = ops.sparse_attn_with_max_logits(q, kv, idx, scale, d_v, topk_length, attn_sink)
     return out, max_logits, _lonely_lse(lse)
 
 

@@ -36,6 +36,7 @@ __all__ = [
     "gather_k_cache",
     "gather_dequant_k_cache",
     "sparse_attn",
+    "sparse_attn_with_max_logits",
     "attn_max_logits",
     "quant_index",
     "store_index_k",
@@ -483,6 +484,16 @@ def _fake_sparse_attn(args, q, kv, indices, sm_scale, d_v, topk_length=None, att
 
 
 @_declare(
+    "(Tensor q, Tensor kv, Tensor indices, float sm_scale, int d_v, Tensor? topk_length=None, "
+    "Tensor? attn_sink=None) -> (Tensor, Tensor, Tensor)",
+    check_sparse_attn,
+)
+def _fake_sparse_attn_with_max_logits(args, q, kv, indices, sm_scale, d_v, topk_length=None, attn_sink=None):
+    out, lse = _fake_sparse_attn(args, q, kv, indices, sm_scale, d_v)
+    return out, lse, torch.empty_like(lse)
+
+
+@_declare(
     "(Tensor q, Tensor kv, Tensor indices, float sm_scale, int d_v, Tensor? topk_length=None) -> Tensor",
     check_attn_max_logits,
 )
@@ -534,6 +545,26 @@ def sparse_attn(
     return torch.ops.dsa.sparse_attn(q, kv, indices, sm_scale, d_v, topk_length, attn_sink)
 
 
+def sparse_attn_with_max_logits(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int,
+    topk_length: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`sparse_attn` (same arguments) that also returns each row's largest scaled score, as FlashMLA's prefill
+    does: ``(out [T, H, d_v] bf16, lse [T, H] fp32, max_logits [T, H] fp32)``.
+
+    ``max_logits[t, h] = max_j sm_scale * q[t, h] . kv[idx[t, j]]`` over valid j (the sink left out), ``-inf`` for a
+    token with no valid entry. On a GPU the prefill kernels keep the exact row max beside the running one and write
+    it; tokens that take the split decode path get it from :func:`attn_max_logits`. Exact definition:
+    ``reference.sparse_attn_with_max_logits``.
+    """
+    return torch.ops.dsa.sparse_attn_with_max_logits(q, kv, indices, sm_scale, d_v, topk_length, attn_sink)
+
+
 def attn_max_logits(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -545,7 +576,8 @@ def attn_max_logits(
     """The largest scaled score of each row of :func:`sparse_attn` (same arguments) -> ``[T, H]`` float32.
 
     ``max_j sm_scale * q[t, h] . kv[idx[t, j]]`` over valid j; ``-inf`` for a token with no valid entry.
-    A sibling op, so that attention itself pays nothing for it. Exact definition: ``reference.attn_max_logits``.
+    A second pass over the selected rows (:func:`sparse_attn_with_max_logits` gets them with the attention instead).
+    Exact definition: ``reference.attn_max_logits``.
     """
     return torch.ops.dsa.attn_max_logits(q, kv, indices, sm_scale, d_v, topk_length)
 

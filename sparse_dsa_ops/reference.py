@@ -21,6 +21,7 @@ __all__ = [
     "gather_k_cache",
     "gather_dequant_k_cache",
     "sparse_attn",
+    "sparse_attn_with_max_logits",
     "attn_max_logits",
     "quant_index",
     "store_index_k",
@@ -206,6 +207,20 @@ def sparse_attn(
         out[start:stop] = (acc / total_out).to(torch.bfloat16)
         lse[start:stop] = (row_max + torch.log(total)).squeeze(-1)  # log 0 = -inf for empty rows
     return out, lse
+
+
+def sparse_attn_with_max_logits(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int,
+    topk_length: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`sparse_attn`'s ``(out, lse)`` and :func:`attn_max_logits`'s ``max_logits [T, H]`` of the same call."""
+    out, lse = sparse_attn(q, kv, indices, sm_scale, d_v, topk_length, attn_sink)
+    return out, lse, attn_max_logits(q, kv, indices, sm_scale, d_v, topk_length)
 
 
 def attn_max_logits(

@@ -385,19 +385,25 @@ def test_backend_plan_is_the_launch_plan():
             assert plan.split == ()
 
 
-def test_a_sink_changes_only_the_combine():
-    """With an attention sink the split path's combine folds it in; every other kernel is the one without."""
+def test_a_sink_or_max_logits_changes_the_prefill_kernel_and_a_sink_the_combine():
+    """With an attention sink (or a call that wants the row maxima) the prefill kernel is its sink_max variant; with a
+    sink the split path's combine folds it in; the split kernel and the split count stay those of the plain call."""
     from dataclasses import replace
 
     from sparse_dsa_ops import _cuda
 
     for tokens in (1, 17, 4096):
         args = ("packed", 256, 0, 64, GLM_PACKED.sm_scale, False, False, tokens, 2048, 132, "cuda")
-        plain, sink = _cuda.plan_attn(*args), _cuda.plan_attn(*args, sink=True)
-        assert sink.prefill == plain.prefill and sink.splits == plain.splits
-        if plain.split:
-            assert sink.split == (plain.split[0], replace(plain.split[1], sink=True))
-            assert sink.split[1].name == plain.split[1].name + "_sink"
+        plain = _cuda.plan_attn(*args)
+        for sink, max_logits in ((True, False), (False, True), (True, True)):
+            plan = _cuda.plan_attn(*args, sink=sink, max_logits=max_logits)
+            assert plan.splits == plain.splits and plan.prefill_tokens == plain.prefill_tokens
+            if plain.prefill:
+                assert plan.prefill == replace(plain.prefill, sink_max=True)
+                assert plan.prefill.name == plain.prefill.name + "_sinkmax"
+            if plain.split:
+                assert plan.split == (plain.split[0], replace(plain.split[1], sink=sink))
+                assert plan.split[1].name == plain.split[1].name + ("_sink" if sink else "")
 
 
 IMPORTS = (

@@ -93,7 +93,27 @@ def attn_suite_keys(target=None):
         keys += dsa._cuda.attn_keys(
             kv_kind, d_v, d_rope, heads, (d_v + d_rope) ** -0.5, True, target=target, q_fp8=q_fp8
         )
+    for (d_v, d_rope, heads), kind, with_lengths in SINK_MAX_CASES:
+        kv_kind, q_fp8 = kernel_kind(kind)
+        keys += dsa._cuda.attn_keys(
+            kv_kind, d_v, d_rope, heads, (d_v + d_rope) ** -0.5, with_lengths, target=target, q_fp8=q_fp8, sink=True
+        )
     return list(dict.fromkeys(keys))
+
+
+# (geometry, kind, topk_length) of sparse_attn_with_max_logits with a sink: every consumer scheme of the prefill
+# kernels (paired over 64-row blocks with its lazy running max, paired over 128-row blocks, single over in-place and
+# staged FP8 rows, persistent over bulk-copied rows, portable) and the split path with its sink combine
+SINK_MAX_CASES = [
+    (DEEPSEEK, "bf16", False),
+    (DEEPSEEK, "bf16", True),
+    (GLM, "bf16", False),
+    (DEEPSEEK, "packed", True),
+    (DEEPSEEK, "fp8", False),
+    (GLM, "packed", True),
+    ((256, 0, 8), "packed", False),
+    ((192, 64, 8), "bf16", False),
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -595,3 +615,54 @@ def test_persistent_prefill_many_items(heads):
     lengths[:3] = torch.tensor([0, 128, 256], dtype=torch.int32)
     got, want = run_both(inputs, lengths)
     check_attn(got, want)
+
+
+@pytest.mark.parametrize(
+    "geo, kind, with_lengths",
+    SINK_MAX_CASES,
+    ids=[f"{g[0]}+{g[1]}-h{g[2]}-{k}-len{int(n)}" for g, k, n in SINK_MAX_CASES],
+)
+@pytest.mark.parametrize("t_count", [3, 300], ids=["decode", "prefill"])
+def test_sink_and_max_logits(geo, kind, with_lengths, t_count):
+    # the prefill kernels' sink_max variant folds the sink into the denominator of out and writes the exact row max
+    # (the paired kernel's running max lags it by design); heads with sinks of -inf, far above every lse and of
+    # ordinary size, hostile indices, empty rows, NaN in unselected rows, outputs poisoned
+    lengths = None
+    if with_lengths:
+        lengths = torch.randint(-3, 600, (t_count,), generator=gen(23), dtype=torch.int32)
+        lengths[0] = 0
+    check_sink_and_max(geo, kind, t_count, 512, lengths)
+
+
+def test_max_logits_of_a_persistent_prefills_split_tail():
+    # the last 5 tokens of a persistent prefill take the split path, whose kernels keep no row max: a second pass
+    # fills theirs
+    geo, topk = (256, 0, 64), 1024
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    plan = dsa._cuda.plan_attn("packed", 256, 0, 64, 256**-0.5, False, False, sms + 5, topk, sms, sink=True)
+    assert str(plan).endswith("(last 5 tokens)"), plan
+    check_sink_and_max(geo, "packed", sms + 5, topk, None)
+
+
+def check_sink_and_max(geo, kind, t_count, topk, lengths):
+    q, kv, idx, sm_scale, d_v = attn_inputs(geo, kind, t_count, topk, seed=21, empty_rows=(1, t_count - 1))
+    heads = geo[2]
+    sink = torch.randn(heads, generator=gen(22)) * 4
+    sink[0] = -math.inf
+    if heads > 2:
+        sink[1] = 60.0
+    want_out, want_lse = reference.sparse_attn(q, kv, idx, sm_scale, d_v, lengths, sink)
+    want_max = reference.attn_max_logits(q, kv, idx, sm_scale, d_v, lengths)
+    poison_allocator()
+    args = [*cuda(q, kv, idx), sm_scale, d_v, None if lengths is None else lengths.cuda(), sink.cuda()]
+    out, lse, best = dsa.sparse_attn_with_max_logits(*args)
+    check_attn((out, lse), (want_out, want_lse))
+    plain_out, plain_lse = dsa.sparse_attn(*args)
+    assert torch.equal(plain_out, out) and torch.equal(plain_lse, lse), "the sink's result depends on max_logits"
+    best = best.cpu()
+    assert not best.isnan().any()
+    assert torch.equal(torch.isinf(best), torch.isinf(want_max)), "max_logits is -inf on other rows"
+    fin = torch.isfinite(want_max)
+    if fin.any():
+        err = (best[fin] - want_max[fin]).abs().max().item()
+        assert err <= 1e-3 * max(1.0, want_max[fin].abs().max().item()), f"largest error of max_logits {err:.3g}"

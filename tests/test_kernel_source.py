@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -919,3 +920,25 @@ def test_sink_combine_folds_the_sink_into_the_normalization(target):
     assert "attn_sink" not in plain
     assert re.search(r"1\.000000e\+00f?(\*/)? / \(total\[0\] \+ (__)?expf?\(\(attn_sink\[", sink), sink
     assert sink.count("attn_sink[") == 1
+
+
+@pytest.mark.parametrize(
+    "name, kind, target",
+    sweep(
+        [(n, k, t) for n in ATTN for k in ("bf16", "packed") for t in ("cuda", "hip")],
+        # the default run: the paired consumers with their lazy running max (DeepSeek bf16, sm_90a) and the portable
+        # kernel (GLM bf16, gfx950)
+        keep=lambda c: c in {("deepseek-512+64-h128", "bf16", "cuda"), ("glm-256+0-h64", "bf16", "hip")},
+    ),
+)
+def test_sink_max_prefill_takes_the_sink_and_writes_the_max(name, kind, target):
+    # the prefill's sink_max variant reads attn_sink once per row at the end (its term joins the denominator of out)
+    # and stores max_logits; the plain prefill kernel takes neither
+    plain = attn_keys(name, kind, target=target)[0]
+    key = replace(plain, sink_max=True)
+    body, plain_body = kernel_body(source(key, target)), kernel_body(source(plain, target))
+    assert "attn_sink" not in plain_body and "max_logits" not in plain_body
+    params = body[: body.index("{")]
+    assert re.search(r"float\* __restrict__ attn_sink\b", params) and "float* __restrict__ max_logits" in params
+    assert re.search(r"max_logits\[[^\n]*\] = ", body), "no store of max_logits"
+    assert body.count("attn_sink[") >= 1 and body.count("attn_sink[") <= 2  # (once per consumer warpgroup)

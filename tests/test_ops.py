@@ -18,6 +18,8 @@ def test_schemas_are_exact():
         "gather_dequant_k_cache": "dsa::gather_dequant_k_cache(Tensor cache, Tensor indices) -> Tensor",
         "sparse_attn": "dsa::sparse_attn(Tensor q, Tensor kv, Tensor indices, float sm_scale, int d_v, "
         "Tensor? topk_length=None, Tensor? attn_sink=None) -> (Tensor, Tensor)",
+        "sparse_attn_with_max_logits": "dsa::sparse_attn_with_max_logits(Tensor q, Tensor kv, Tensor indices, "
+        "float sm_scale, int d_v, Tensor? topk_length=None, Tensor? attn_sink=None) -> (Tensor, Tensor, Tensor)",
         "attn_max_logits": "dsa::attn_max_logits(Tensor q, Tensor kv, Tensor indices, float sm_scale, int d_v, "
         "Tensor? topk_length=None) -> Tensor",
         "quant_index": "dsa::quant_index(Tensor x, bool round_scale=False) -> (Tensor, Tensor)",
@@ -75,6 +77,7 @@ def _op_samples(gen):
             ),
         ),
         "max-logits": ("attn_max_logits", (q, pool, idx, 0.05, 512, lengths)),
+        "attn-with-max-logits": ("sparse_attn_with_max_logits", (q, pool, idx, 0.05, 512, lengths, sink)),
     }
 
 

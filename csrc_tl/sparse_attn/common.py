@@ -3,7 +3,7 @@ around a kernel's ``attend`` macro."""
 
 import tilelang.language as T
 
-from .geometry import LN2, AttnGeometry
+from .geometry import LN2, LOG2E, AttnGeometry
 
 
 def valid_entries(geo: AttnGeometry, topk_length, t, k_count):
@@ -57,22 +57,43 @@ def online_softmax(acc_s, acc_o, m_i, m_prev, alpha, sum_i, sumexp, scale2):
 
 
 @T.macro
-def reciprocal(dst, sumexp):
-    """``dst[h] = 1 / sumexp[h]``, or 0 for an empty row (sumexp 0)."""
+def reciprocal(dst, sumexp, sink_w=None):
+    """``dst[h] = 1 / (sumexp[h] + sink_w[h])`` (``sink_w`` 0 when None), or 0 for an empty row (sumexp 0)."""
     for h in T.Parallel(sumexp.shape[0]):
-        dst[h] = T.if_then_else(sumexp[h] > 0, 1.0 / sumexp[h], 0)
+        if sink_w is None:
+            dst[h] = T.if_then_else(sumexp[h] > 0, 1.0 / sumexp[h], 0)
+        else:
+            dst[h] = T.if_then_else(sumexp[h] > 0, 1.0 / (sumexp[h] + sink_w[h]), 0)
 
 
 @T.macro
-def normalize(acc_o, lse, m_i, sumexp, scale2):
-    """Final output ``acc_o / sumexp`` and natural-log ``lse``; an empty row (sumexp 0) gives 0 and -inf.
-    ``sumexp`` becomes its reciprocal: the output is scaled by one reciprocal per row, because a
+def sink_weight(dst, attn_sink, m_i, h0, heads, scale2):
+    """``dst[h] = exp(attn_sink[h0 + h] - m_i[h] * sm_scale)``: the sink's term of row h's denominator, relative to
+    its running max ``m_i`` (raw score units) as the row sum is; 0 for a sink of -inf."""
+    for h in T.Parallel(dst.shape[0]):
+        dst[h] = T.exp2(attn_sink[T.min(h0 + h, heads - 1)] * LOG2E - m_i[h] * scale2)
+
+
+@T.macro
+def store_max(max_logits, m_i, sumexp, t, h0, heads, sm_scale):
+    """``max_logits[t, h0 + h] = m_i[h] * sm_scale`` for the existing heads: the row's largest scaled score, where
+    ``m_i`` is its exact max (raw score units); -inf for an empty row (sumexp 0)."""
+    for h in T.Parallel(m_i.shape[0]):
+        if h0 + h < heads:
+            max_logits[t, h0 + h] = T.if_then_else(sumexp[h] > 0, m_i[h] * sm_scale, -T.infinity(T.float32))
+
+
+@T.macro
+def normalize(acc_o, lse, m_i, sumexp, scale2, sink_w=None):
+    """Final output ``acc_o / (sumexp + sink_w)`` and natural-log ``lse`` (of ``sumexp`` alone: an attention sink
+    joins the denominator of the output only); an empty row (sumexp 0) gives 0 and -inf.
+    ``sumexp`` becomes the reciprocal: the output is scaled by one reciprocal per row, because a
     division per element (IEEE, each a dependent chain of several instructions) took about 2.5 us per
     block on an H200, which every block pays once at its end (BENCHMARKS.md)."""
     hb, width = acc_o.shape
     for h in T.Parallel(hb):
         lse[h] = T.if_then_else(sumexp[h] > 0, (T.log2(sumexp[h]) + m_i[h] * scale2) * LN2, -T.infinity(T.float32))
-    reciprocal(sumexp, sumexp)
+    reciprocal(sumexp, sumexp, sink_w)
     for h, d in T.Parallel(hb, width):
         acc_o[h, d] = acc_o[h, d] * sumexp[h]
 
@@ -141,22 +162,53 @@ def load_q(q, dst, t, h0, col0, heads, tid, nthreads):
                 )
 
 
-def entry(geo: AttnGeometry, attend, t_count, s_count, k_count, out_t, lse_t):
-    """The program ``(q, kv, indices, [topk_length,] out, lse)`` around the ``attend`` macro."""
+def entry(geo: AttnGeometry, attend, t_count, s_count, k_count, out_t, lse_t, sink_max: bool = False):
+    """The program ``(q, kv, indices, [topk_length,] [attn_sink,] out, lse[, max_logits])`` around the ``attend``
+    macro; ``sink_max`` adds ``attn_sink [H]`` and ``max_logits [T, H]`` (float32)."""
     q_t = T.Tensor((t_count, geo.heads, geo.d_qk), T.float8_e4m3fn if geo.q_fp8 else T.bfloat16)
     kv_t = T.Tensor((s_count, geo.kv_row_width), geo.kv_dtype)
     idx_t = T.Tensor((t_count, k_count), T.int32)
     len_t = T.Tensor((t_count,), T.int32)
+    if sink_max:
+        return _entry_sink_max(geo, attend, q_t, kv_t, idx_t, len_t, out_t, lse_t)
     if geo.has_topk_length:
 
         @T.prim_func
         def sparse_attn(q: q_t, kv: kv_t, indices: idx_t, topk_length: len_t, out: out_t, lse: lse_t):
-            attend(q, kv, indices, topk_length, out, lse)
+            attend(q, kv, indices, topk_length, out, lse, None, None)
 
         return sparse_attn
 
     @T.prim_func
     def sparse_attn(q: q_t, kv: kv_t, indices: idx_t, out: out_t, lse: lse_t):
-        attend(q, kv, indices, None, out, lse)
+        attend(q, kv, indices, None, out, lse, None, None)
+
+    return sparse_attn
+
+
+def _entry_sink_max(geo: AttnGeometry, attend, q_t, kv_t, idx_t, len_t, out_t, lse_t):
+    """The ``sink_max`` programs of :func:`entry`."""
+    sink_t = T.Tensor((geo.heads,), T.float32)
+    max_t = T.Tensor(lse_t.shape, T.float32)
+    if geo.has_topk_length:
+
+        @T.prim_func
+        def sparse_attn(
+            q: q_t,
+            kv: kv_t,
+            indices: idx_t,
+            topk_length: len_t,
+            attn_sink: sink_t,
+            out: out_t,
+            lse: lse_t,
+            max_logits: max_t,
+        ):
+            attend(q, kv, indices, topk_length, out, lse, attn_sink, max_logits)
+
+        return sparse_attn
+
+    @T.prim_func
+    def sparse_attn(q: q_t, kv: kv_t, indices: idx_t, attn_sink: sink_t, out: out_t, lse: lse_t, max_logits: max_t):
+        attend(q, kv, indices, None, out, lse, attn_sink, max_logits)
 
     return sparse_attn

@@ -15,15 +15,18 @@ SCHEMES = ("prefill", "decode", "prefill_ws", "decode_ws")  # portable and warp-
 class AttnKey:
     """A sparse-attention kernel: ``scheme`` (one of :data:`SCHEMES`: the portable or warp-specialized prefill, or
     split decode kernel) over ``geo``; ``ctas`` the grid of a persistent warp-specialized prefill (0: one CTA per
-    token and head block)."""
+    token and head block); ``sink_max`` the prefill variant that also takes an ``attn_sink [H]`` float32 (joining
+    each row's denominator of ``out``) and writes ``max_logits [T, H]`` float32 (each row's largest scaled score)."""
 
     scheme: str
     geo: AttnGeometry
     ctas: int = 0
+    sink_max: bool = False
 
     def __post_init__(self):
         assert self.scheme in SCHEMES, f"scheme is one of {SCHEMES}, got {self.scheme!r}"
         assert self.ctas >= 0 and (not self.ctas or self.scheme == "prefill_ws"), "ctas: a persistent prefill's"
+        assert not (self.sink_max and self.split), "sink_max: a prefill kernel's (the combine folds a split's sink)"
 
     @property
     def family(self) -> str:
@@ -41,7 +44,8 @@ class AttnKey:
     @property
     def name(self) -> str:
         persistent = f"_c{self.ctas}" if self.ctas else ""
-        return f"{self.family}_{self.geo}_s{self.geo.sm_scale!r}{persistent}"
+        sink_max = "_sinkmax" if self.sink_max else ""
+        return f"{self.family}_{self.geo}_s{self.geo.sm_scale!r}{persistent}{sink_max}"
 
     def __str__(self) -> str:
         return self.name
@@ -79,10 +83,13 @@ def build(key: "AttnKey | CombineKey"):
     if key.warp_specialized:
         from .ws_kernel import build_attn_ws
 
-        return build_attn_ws(key.geo, split=key.split, **({"ctas": key.ctas} if key.ctas else {}))
+        return build_attn_ws(
+            key.geo, split=key.split, sink_max=key.sink_max, **({"ctas": key.ctas} if key.ctas else {})
+        )
     from .portable import build_attn
 
-    return build_attn(key.geo, split=key.split, **DEFAULT_TILES["decode" if key.split else "prefill"])
+    tiles = DEFAULT_TILES["decode" if key.split else "prefill"]
+    return build_attn(key.geo, split=key.split, sink_max=key.sink_max, **tiles)
 
 
 def pass_configs(key: "AttnKey | CombineKey") -> dict:

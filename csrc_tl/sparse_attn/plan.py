@@ -244,6 +244,7 @@ class WsPlan:
 
     geo: AttnGeometry
     split: bool
+    sink_max: bool  # (a prefill) takes an attention sink, writes each row's max (AttnKey.sink_max)
     block_i: int  # top-k rows of a block (of a stage)
     n_prod: int  # producer warpgroups
     nreg: tuple[int, int, int]  # setmaxnreg budgets: consumer warpgroups 0 and 1, each producer warpgroup
@@ -300,9 +301,11 @@ def ws_plan(
     producers: int | None = None,
     nreg: tuple[int, int, int] | None = None,
     ctas: int = DEFAULT_CTAS,
+    sink_max: bool = False,
 ) -> WsPlan:
     """The plan of ``build_attn_ws(geo, split=split, ...)`` (same arguments; see there): pure, of the key only."""
     geo.check()
+    assert not (sink_max and split), "sink_max: a prefill kernel's"
     assert ws_supported(geo), "needs d_v a multiple of 128 (256 for FP8 rows), d_rope 0 or 64"
     block_i = ws_block(geo, split) if block_i is None else block_i
     assert block_i == 64 or not split, "a split kernel works on 64-row blocks"
@@ -368,6 +371,7 @@ def ws_plan(
     return WsPlan(
         geo=geo,
         split=split,
+        sink_max=sink_max,
         block_i=block_i,
         n_prod=n_prod,
         nreg=nreg,

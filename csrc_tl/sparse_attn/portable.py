@@ -4,13 +4,23 @@ per split of the top-k blocks; see :mod:`csrc_tl.sparse_attn` for the arguments.
 import tilelang.language as T
 
 from ..layout import QUANT_TILE
-from .common import entry, normalize, online_softmax, store_rows, valid_entries
+from .common import entry, normalize, online_softmax, sink_weight, store_max, store_rows, valid_entries
 from .geometry import LOG2E, NEG_START, AttnGeometry, head_block, partial_heads
 
 
-def build_attn(geo: AttnGeometry, *, split: bool, block_i: int = 64, threads: int = 256, num_stages: int = 2):
-    """The sparse-attention program for ``geo``; see the module docstring for its arguments."""
+def build_attn(
+    geo: AttnGeometry,
+    *,
+    split: bool,
+    block_i: int = 64,
+    threads: int = 256,
+    num_stages: int = 2,
+    sink_max: bool = False,
+):
+    """The sparse-attention program for ``geo``; see the module docstring for its arguments (``sink_max``: the
+    prefill variant with an attention sink and the row maxima, :class:`~csrc_tl.sparse_attn.keys.AttnKey`)."""
     geo.check()
+    assert not (sink_max and split), "sink_max: the prefill kernel's"
     d_v, d_tail, heads = geo.d_v, geo.d_rope, geo.heads
     hb = head_block(heads)
     groups = T.ceildiv(heads, hb)
@@ -23,7 +33,7 @@ def build_attn(geo: AttnGeometry, *, split: bool, block_i: int = 64, threads: in
     t_count, s_count, k_count, n_split = T.dynamic("t"), T.dynamic("s"), T.dynamic("k"), T.dynamic("ns")
 
     @T.macro
-    def attend(q, kv, indices, topk_length, out, lse):
+    def attend(q, kv, indices, topk_length, out, lse, attn_sink, max_logits):
         with T.Kernel(t_count * groups, n_split if split else 1, threads=threads) as (bx, by):
             q_s = T.alloc_shared((hb, d_v), dtype)
             kv_s = T.alloc_shared((block_i, d_v), dtype)
@@ -102,7 +112,12 @@ def build_attn(geo: AttnGeometry, *, split: bool, block_i: int = 64, threads: in
                 T.gemm(p_s, kv_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
 
             # An empty row (sumexp 0) gives out 0 and lse -inf.
-            normalize(acc_o, sum_i, m_i, sumexp, scale2)
+            if sink_max:
+                store_max(max_logits, m_i, sumexp, t, h0, heads, geo.sm_scale)  # (m_i is exact here)
+                sink_weight(alpha, attn_sink, m_i, h0, heads, scale2)
+                normalize(acc_o, sum_i, m_i, sumexp, scale2, alpha)
+            else:
+                normalize(acc_o, sum_i, m_i, sumexp, scale2)
             store_rows(out, lse, acc_o, q_s, sum_i, t, by if split else None, h0, 0, heads)  # q_s is free now
 
     if split:
@@ -111,4 +126,4 @@ def build_attn(geo: AttnGeometry, *, split: bool, block_i: int = 64, threads: in
     else:
         out_t = T.Tensor((t_count, heads, d_v), dtype)
         lse_t = T.Tensor((t_count, heads), acc)
-    return entry(geo, attend, t_count, s_count, k_count, out_t, lse_t)
+    return entry(geo, attend, t_count, s_count, k_count, out_t, lse_t, sink_max)

@@ -6,7 +6,17 @@ from types import SimpleNamespace
 
 import tilelang.language as T
 
-from .common import exponentiate, load_q, normalize, online_softmax, reciprocal, rescale, store_rows
+from .common import (
+    exponentiate,
+    load_q,
+    normalize,
+    online_softmax,
+    reciprocal,
+    rescale,
+    sink_weight,
+    store_max,
+    store_rows,
+)
 from .geometry import NEG_START
 from .plan import WS_CONSUMER_BARRIER, WS_STORE_BARRIERS, WsPlan
 
@@ -58,7 +68,7 @@ def _score_macros(plan: WsPlan) -> SimpleNamespace:
 def _consume0_paired(plan: WsPlan, items: SimpleNamespace, scores: SimpleNamespace) -> SimpleNamespace:
     """Consumer warpgroup 0 of the paired scheme (``paired``)."""
     geo, split, block_i, hb, halves, scale2 = plan.geo, plan.split, plan.block_i, plan.hb, plan.halves, plan.scale2
-    lazy_gap = plan.lazy_gap
+    lazy_gap, sink_max = plan.lazy_gap, plan.sink_max
     heads = geo.heads
     dtype, acc = T.bfloat16, T.float32
     score, score_half, stage_q = scores.score, scores.score_half, scores.stage_q
@@ -70,6 +80,8 @@ def _consume0_paired(plan: WsPlan, items: SimpleNamespace, scores: SimpleNamespa
         T.fill(c.acc_o, 0)
         T.fill(c.sumexp, 0)
         T.fill(c.m_i, NEG_START)
+        if sink_max:
+            T.fill(c.mx, NEG_START)
         T.barrier_wait(c.q_ready, 0)
         # Halves: the scores of the first pair's block here; those of each later pair are issued
         # under the last PV GEMM of the pair before. ptxas serializes every wgmma of the
@@ -94,6 +106,8 @@ def _consume0_paired(plan: WsPlan, items: SimpleNamespace, scores: SimpleNamespa
             T.copy(c.m_i, c.m_prev)
             T.reduce_max(c.acc_s, c.m_i, dim=1, clear=False)
             for h in T.Parallel(hb):
+                if sink_max:
+                    c.mx[h] = T.max(c.mx[h], c.m_i[h])
                 if halves:
                     c.m_i[h] = T.if_then_else(c.m_i[h] > c.m_prev[h] + lazy_gap, c.m_i[h], c.m_prev[h])
                 c.m_s[h] = c.m_i[h]
@@ -141,13 +155,21 @@ def _consume0_paired(plan: WsPlan, items: SimpleNamespace, scores: SimpleNamespa
                 else:
                     T.wait_wgmma(0)
                     T.barrier_arrive(c.free_l1)
+        if sink_max:
+            # this warpgroup's exact max for warpgroup 1, which read m_s last before this one's last read of it
+            for h in T.Parallel(hb):
+                c.m_s[h] = c.mx[h]
         for h in T.Parallel(hb):
             T.call_extern("handle", "dsa_put_row_sum", h, c.sumexp[h])
         T.barrier_arrive(c.done0)
         T.barrier_wait(c.done1, 0)
         for h in T.Parallel(hb):
             c.sumexp[h] = c.sumexp[h] + T.call_extern(acc, "dsa_row_sum", hb + h)
-        normalize(c.acc_o, c.sum_i, c.m_i, c.sumexp, scale2)
+        if sink_max:
+            sink_weight(c.alpha, c.attn_sink, c.m_i, c.h0, heads, scale2)
+            normalize(c.acc_o, c.sum_i, c.m_i, c.sumexp, scale2, c.alpha)
+        else:
+            normalize(c.acc_o, c.sum_i, c.m_i, c.sumexp, scale2)
         store_rows(c.out, None, c.acc_o, c.q_l, None, c.t, c.by if split else None, c.h0, 0, heads)
 
     return SimpleNamespace(consume0_paired=consume0_paired)
@@ -156,7 +178,7 @@ def _consume0_paired(plan: WsPlan, items: SimpleNamespace, scores: SimpleNamespa
 def _consume0_single(plan: WsPlan, items: SimpleNamespace, scores: SimpleNamespace) -> SimpleNamespace:
     """Consumer warpgroup 0 of the single scheme."""
     geo, split, block_i, hb, persist = plan.geo, plan.split, plan.block_i, plan.hb, plan.persist
-    copies_async, scale2 = plan.copies_async, plan.scale2
+    copies_async, scale2, sink_max = plan.copies_async, plan.scale2, plan.sink_max
     d_tail, heads = geo.d_rope, geo.heads
     acc = T.float32
     work, work_items, global_block = items.work, items.work_items, items.global_block
@@ -220,9 +242,16 @@ def _consume0_single(plan: WsPlan, items: SimpleNamespace, scores: SimpleNamespa
                     T.barrier_arrive(c.free0)
                 else:
                     T.barrier_arrive(c.free1)
-            reciprocal(c.sum_s, c.sumexp)  # warpgroup 1 scales its half by it
-            T.barrier_arrive(c.done)
-            normalize(c.acc_o, c.sum_i, c.m_i, c.sumexp, scale2)
+            if sink_max:
+                store_max(c.max_logits, c.m_i, c.sumexp, t_i, h0_i, heads, geo.sm_scale)  # (m_i is exact here)
+                sink_weight(c.alpha, c.attn_sink, c.m_i, h0_i, heads, scale2)
+                reciprocal(c.sum_s, c.sumexp, c.alpha)  # warpgroup 1 scales its half by it
+                T.barrier_arrive(c.done)
+                normalize(c.acc_o, c.sum_i, c.m_i, c.sumexp, scale2, c.alpha)
+            else:
+                reciprocal(c.sum_s, c.sumexp)  # warpgroup 1 scales its half by it
+                T.barrier_arrive(c.done)
+                normalize(c.acc_o, c.sum_i, c.m_i, c.sumexp, scale2)
             store_rows(
                 c.out,
                 c.lse,
@@ -251,7 +280,7 @@ def _consume0_single(plan: WsPlan, items: SimpleNamespace, scores: SimpleNamespa
 def _consume1_paired(plan: WsPlan, items: SimpleNamespace, scores: SimpleNamespace) -> SimpleNamespace:
     """Consumer warpgroup 1 of the paired scheme (``paired``)."""
     geo, split, block_i, half, hb, halves = plan.geo, plan.split, plan.block_i, plan.half, plan.hb, plan.halves
-    scale2, lazy_gap = plan.scale2, plan.lazy_gap
+    scale2, lazy_gap, sink_max = plan.scale2, plan.lazy_gap, plan.sink_max
     heads = geo.heads
     acc = T.float32
     score, score_half, stage_q = scores.score, scores.score_half, scores.stage_q
@@ -264,6 +293,8 @@ def _consume1_paired(plan: WsPlan, items: SimpleNamespace, scores: SimpleNamespa
         flag_r = T.alloc_local((1,), T.int32) if halves else None
         T.fill(c.sumexp_r, 0)
         T.fill(c.m_r, NEG_START)
+        if sink_max:
+            T.fill(c.mx_r, NEG_START)
         T.barrier_wait(c.q_ready, 0)
         for pair in T.serial(c.pairs):
             phase = pair & 1
@@ -281,6 +312,8 @@ def _consume1_paired(plan: WsPlan, items: SimpleNamespace, scores: SimpleNamespa
             T.barrier_wait(c.m0_ready, phase)
             # the pair's final max (at least warpgroup 0's, which is at least this one's last)
             for h in T.Parallel(hb):
+                if sink_max:
+                    c.mx_r[h] = T.max(c.mx_r[h], c.sum_r[h])
                 c.m_prev_r[h] = c.m_r[h]
                 c.m_r[h] = T.max(c.m_s[h], c.sum_r[h])
                 if halves:
@@ -316,8 +349,15 @@ def _consume1_paired(plan: WsPlan, items: SimpleNamespace, scores: SimpleNamespa
         T.barrier_wait(c.done0, 0)
         for h in T.Parallel(hb):
             c.sumexp_r[h] = c.sumexp_r[h] + T.call_extern(acc, "dsa_row_sum", h)
-        # both warpgroups end on the same max; this one writes the LSE
-        normalize(c.acc_o_r, c.sum_r, c.m_r, c.sumexp_r, scale2)
+        # both warpgroups end on the same max; this one writes the LSE (and the exact max)
+        if sink_max:
+            for h in T.Parallel(hb):
+                c.mx_r[h] = T.max(c.mx_r[h], c.m_s[h])
+            store_max(c.max_logits, c.mx_r, c.sumexp_r, c.t, c.h0, heads, geo.sm_scale)
+            sink_weight(c.alpha_r, c.attn_sink, c.m_r, c.h0, heads, scale2)
+            normalize(c.acc_o_r, c.sum_r, c.m_r, c.sumexp_r, scale2, c.alpha_r)
+        else:
+            normalize(c.acc_o_r, c.sum_r, c.m_r, c.sumexp_r, scale2)
         store_rows(c.out, c.lse, c.acc_o_r, c.q_r, c.sum_r, c.t, c.by if split else None, c.h0, half, heads)
 
     return SimpleNamespace(consume1_paired=consume1_paired)

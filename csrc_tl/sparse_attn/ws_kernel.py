@@ -23,6 +23,7 @@ def build_attn_ws(
     producers: int | None = None,
     nreg: tuple[int, int, int] | None = None,
     ctas: int = DEFAULT_CTAS,
+    sink_max: bool = False,
 ):
     """Warp-specialized prefill kernel for Hopper (sm_90, CUDA only: mbarriers and setmaxnreg): a
     producer warpgroup gathers (and for a packed pool dequantizes) the next top-k block into the
@@ -48,10 +49,14 @@ def build_attn_ws(
     Rows of invalid entries are written as zeros (never dereferenced) and their scores are -inf, so
     they weigh 0. ``producers`` (1 or 2 warpgroups) defaults to 2 for staged rows, else 1.
 
+    With ``sink_max`` (a prefill) the kernel also takes ``attn_sink [H]`` float32, whose term joins each row's
+    denominator of ``out`` at the end, and writes ``max_logits [T, H]`` float32, each row's exact largest scaled
+    score (the paired scheme's running max is lazy, so its warpgroups track the exact one beside it).
+
     Every choice above is made once, by :func:`~csrc_tl.sparse_attn.plan.ws_plan` (the :class:`WsPlan` record);
     the producer (:mod:`.ws_producer`) and consumer (:mod:`.ws_consumer`) macros read it.
     """
-    plan = ws_plan(geo, split=split, block_i=block_i, producers=producers, nreg=nreg, ctas=ctas)
+    plan = ws_plan(geo, split=split, block_i=block_i, producers=producers, nreg=nreg, ctas=ctas, sink_max=sink_max)
     t_count, s_count, k_count, n_split = T.dynamic("t"), T.dynamic("s"), T.dynamic("k"), T.dynamic("ns")
     dims = (t_count, s_count, k_count, n_split)
     items = work_helpers(plan, dims)
@@ -62,9 +67,8 @@ def build_attn_ws(
     if split:
         part_t = T.Tensor((t_count, n_split, partial_heads(heads, ws=True), d_v), dtype)
         return entry(geo, attend, t_count, s_count, k_count, part_t, T.Tensor((t_count, n_split, heads), acc))
-    return entry(
-        geo, attend, t_count, s_count, k_count, T.Tensor((t_count, heads, d_v), dtype), T.Tensor((t_count, heads), acc)
-    )
+    out_t, lse_t = T.Tensor((t_count, heads, d_v), dtype), T.Tensor((t_count, heads), acc)
+    return entry(geo, attend, t_count, s_count, k_count, out_t, lse_t, sink_max)
 
 
 def _attend_macro(plan: WsPlan, dims, prod: SimpleNamespace, cons: SimpleNamespace):
@@ -80,7 +84,7 @@ def _attend_macro(plan: WsPlan, dims, prod: SimpleNamespace, cons: SimpleNamespa
     t_count, _, k_count, n_split = dims
 
     @T.macro
-    def attend(q, kv, indices, topk_length, out, lse):
+    def attend(q, kv, indices, topk_length, out, lse, attn_sink, max_logits):
         grid = (T.min(t_count * groups, ctas), 1) if persist else (t_count * groups, n_split if split else 1)
         with T.Kernel(*grid, threads=128 * (2 + n_prod), prelude=prelude) as (bx, by):
             if split:
@@ -146,6 +150,12 @@ def _attend_macro(plan: WsPlan, dims, prod: SimpleNamespace, cons: SimpleNamespa
                 sumexp_r = T.alloc_fragment((hb,), acc)
             else:
                 p_0 = acc_s_r = p_1 = m_r = m_prev_r = alpha_r = sum_r = sumexp_r = None
+            if paired and plan.sink_max:
+                # each warpgroup's exact max of its blocks' rows (the running max may lag it: lazy_gap)
+                mx = T.alloc_fragment((hb,), acc)
+                mx_r = T.alloc_fragment((hb,), acc)
+            else:
+                mx = mx_r = None
 
             if halves:
                 # the left value half of a stage is last read by warpgroup 0, the right one with the
@@ -225,6 +235,8 @@ def _attend_macro(plan: WsPlan, dims, prod: SimpleNamespace, cons: SimpleNamespa
                 topk_length=topk_length,
                 out=out,
                 lse=lse,
+                attn_sink=attn_sink,
+                max_logits=max_logits,
                 bx=bx,
                 by=by,
                 tx=tx,
@@ -271,6 +283,8 @@ def _attend_macro(plan: WsPlan, dims, prod: SimpleNamespace, cons: SimpleNamespa
                 alpha_r=alpha_r,
                 sum_r=sum_r,
                 sumexp_r=sumexp_r,
+                mx=mx,
+                mx_r=mx_r,
                 ready_l0=ready_l0,
                 ready_r0=ready_r0,
                 ready_l1=ready_l1,

@@ -3,7 +3,16 @@ compile cache (``compile``). Each family module registers how its kernel keys ar
 implementation of each of its ops under the op's name; ``register_backend`` finds them here by name."""
 
 from . import attention, indexer, k_cache, selection
-from .attention import AttnPlan, attn_keys, attn_max_logits, plan_attn, plan_splits, plan_tail, sparse_attn
+from .attention import (
+    AttnPlan,
+    attn_keys,
+    attn_max_logits,
+    plan_attn,
+    plan_splits,
+    plan_tail,
+    sparse_attn,
+    sparse_attn_with_max_logits,
+)
 from .compile import TARGETS, kernel, lower_source, pass_configs, program, warmup
 from .indexer import gather_index_k, index_logits, paged_index_logits, quant_index, store_index_k
 from .k_cache import (
@@ -38,6 +47,7 @@ __all__ = [
     "gather_k_cache",
     "gather_dequant_k_cache",
     "sparse_attn",
+    "sparse_attn_with_max_logits",
     "attn_max_logits",
     "quant_index",
     "store_index_k",

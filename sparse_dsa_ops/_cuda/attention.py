@@ -38,6 +38,7 @@ __all__ = [
     "AttnPlan",
     "plan_attn",
     "sparse_attn",
+    "sparse_attn_with_max_logits",
     "attn_max_logits",
     "bench_cases",
 ]
@@ -51,11 +52,14 @@ _PREFILL_SCHEMES = {PORTABLE: "prefill", WARP_SPECIALIZED: "prefill_ws", PERSIST
 _SPLIT_SCHEMES = {PORTABLE: "decode", WARP_SPECIALIZED: "decode_ws"}
 
 
-def _kernel_keys(geo: AttnGeometry, kernels: AttnKernels, sink: bool = False) -> tuple[AttnKey, AttnKey, CombineKey]:
+def _kernel_keys(
+    geo: AttnGeometry, kernels: AttnKernels, sink: bool = False, max_logits: bool = False
+) -> tuple[AttnKey, AttnKey, CombineKey]:
     """``(prefill kernel, split kernel, combine)``: the keys of the launch plan's ``kernels`` of ``geo``; with
-    ``sink`` the combine takes an attention sink."""
+    ``sink`` the prefill kernel and the combine take an attention sink, with ``max_logits`` the prefill kernel writes
+    the row maxima (its ``sink_max`` variant does both)."""
     ctas = kernels.ctas if kernels.prefill == PERSISTENT else 0  # the persistent kernel's grid
-    prefill = AttnKey(_PREFILL_SCHEMES[kernels.prefill], geo, ctas)
+    prefill = AttnKey(_PREFILL_SCHEMES[kernels.prefill], geo, ctas, sink or max_logits)
     split = AttnKey(_SPLIT_SCHEMES[kernels.split], geo)
     combine = CombineKey(geo.d_v, geo.heads, kernels.partial_heads, kernels.pdl, sink)
     return prefill, split, combine
@@ -86,19 +90,22 @@ def attn_keys(
     q_fp8: bool = False,
     sm_count: int | None = None,
     sink: bool = False,
+    max_logits: bool = False,
 ) -> list[AttnKey | CombineKey]:
     """The kernels ``sparse_attn`` runs for one geometry on ``target`` (default: this machine's), in
     this order: the prefill kernel; the split decode kernels; the decode's combine (last).
 
     The launch plan picks them (:func:`csrc_tl.sparse_attn.launch.attn_kernels`): warp-specialized where the
     geometry allows on sm_90 CUDA, else portable. ``kv_kind`` is "bf16", "fp8" or "packed"; ``q_fp8`` picks the
-    kernels for a float8_e4m3fn q, ``sink`` the combine of calls with an ``attn_sink``. A persistent prefill kernel
+    kernels for a float8_e4m3fn q, ``sink`` those of calls with an ``attn_sink``, ``max_logits`` those of
+    :func:`sparse_dsa_ops.sparse_attn_with_max_logits` (both: the prefill kernel's ``sink_max`` variant, and with
+    ``sink`` the combine that folds the sink in). A persistent prefill kernel
     is compiled for ``sm_count`` CTAs: by default the current GPU's SM count, or
     :data:`csrc_tl.sparse_attn.DEFAULT_CTAS` (an H200's) for another target or without a GPU."""
     geo = _geometry(kv_kind, d_v, d_rope, heads, sm_scale, has_topk_length, q_fp8)
     if sm_count is None and target is None and torch.cuda.is_available():
         sm_count = _sm_count_here()
-    prefill, split, combine = _kernel_keys(geo, attn_kernels(geo, _sm90(target), sm_count), sink)
+    prefill, split, combine = _kernel_keys(geo, attn_kernels(geo, _sm90(target), sm_count), sink, max_logits)
     return ([prefill] if "prefill" in paths else []) + ([split, combine] if "decode" in paths else [])
 
 
@@ -130,9 +137,10 @@ class AttnPlan:
         return f"{self.prefill.family} + {split} (last {self.tokens - self.prefill_tokens} tokens)"
 
     @classmethod
-    def of(cls, geo: AttnGeometry, launch: AttnLaunch, sink: bool = False) -> AttnPlan:
-        """The kernel keys of ``launch``, a call's launch plan over ``geo`` (``sink``: with an attention sink)."""
-        prefill, split, combine = _kernel_keys(geo, launch.kernels, sink)
+    def of(cls, geo: AttnGeometry, launch: AttnLaunch, sink: bool = False, max_logits: bool = False) -> AttnPlan:
+        """The kernel keys of ``launch``, a call's launch plan over ``geo`` (``sink``: with an attention sink,
+        ``max_logits``: with the row maxima)."""
+        prefill, split, combine = _kernel_keys(geo, launch.kernels, sink, max_logits)
         if not launch.split_tokens:
             return cls(launch.tokens, prefill, launch.tokens)
         return cls(
@@ -159,11 +167,12 @@ def plan_attn(
     sm_count: int,
     target: str | None = None,
     sink: bool = False,
+    max_logits: bool = False,
 ) -> AttnPlan:
-    """The kernels and split count for one call (``target`` and ``sink`` as in :func:`attn_keys`): the keys of its
-    launch plan, :func:`csrc_tl.sparse_attn.launch.plan_launch`."""
+    """The kernels and split count for one call (``target``, ``sink`` and ``max_logits`` as in :func:`attn_keys`):
+    the keys of its launch plan, :func:`csrc_tl.sparse_attn.launch.plan_launch`."""
     geo = _geometry(kv_kind, d_v, d_rope, heads, sm_scale, has_topk_length, q_fp8)
-    return AttnPlan.of(geo, plan_launch(geo, tokens, topk, sm_count, _sm90(target)), sink)
+    return AttnPlan.of(geo, plan_launch(geo, tokens, topk, sm_count, _sm90(target)), sink, max_logits)
 
 
 def warmup_keys(
@@ -177,7 +186,9 @@ def warmup_keys(
     attn_sink=(False,),
 ) -> list[AttnKey | CombineKey]:
     """Every attention kernel of one model geometry (a float8 q only goes with fp8 or packed kv); ``attn_sink``
-    whether calls pass a sink (False), do (True) or either."""
+    whether calls pass a sink (False), do (True) or either. :func:`sparse_dsa_ops.sparse_attn_with_max_logits` (and
+    FlashMLA's prefill, :mod:`sparse_dsa_ops.flash_mla`) runs the prefill kernel of calls with a sink and the combine
+    of its own calls: ``(False, True)`` covers it with or without a sink."""
     keys = []
     for kind in kv_kinds:
         for has_len in topk_length:
@@ -188,7 +199,8 @@ def warmup_keys(
     return list(dict.fromkeys(keys))
 
 
-SOURCE_OPS = ("sparse_attn",)  # the ops ``python -m sparse_dsa_ops source`` prints this family's kernels of
+# the ops ``python -m sparse_dsa_ops source`` prints this family's kernels of
+SOURCE_OPS = ("sparse_attn", "sparse_attn_with_max_logits")
 
 
 def source_keys(op: str, args) -> list[AttnKey | CombineKey]:
@@ -205,6 +217,7 @@ def source_keys(op: str, args) -> list[AttnKey | CombineKey]:
         target=args.target,
         q_fp8=args.q == "fp8",
         sink=args.attn_sink,
+        max_logits=op == "sparse_attn_with_max_logits",
     )
 
 
@@ -212,14 +225,20 @@ def _sm_count_here() -> int:
     return sm_count(torch.device("cuda", torch.cuda.current_device()))
 
 
-def _empty_result(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    out.zero_()
-    lse.fill_(float("-inf"))
-    return out, lse
+@takes_checked
+def sparse_attn(args: AttnArgs, q, kv, indices, sm_scale, d_v, topk_length=None, attn_sink=None):
+    return _attend(args, q, kv, indices, sm_scale, d_v, topk_length, attn_sink, None)
 
 
 @takes_checked
-def sparse_attn(args: AttnArgs, q, kv, indices, sm_scale, d_v, topk_length=None, attn_sink=None):
+def sparse_attn_with_max_logits(args: AttnArgs, q, kv, indices, sm_scale, d_v, topk_length=None, attn_sink=None):
+    max_logits = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
+    out, lse = _attend(args, q, kv, indices, sm_scale, d_v, topk_length, attn_sink, max_logits)
+    return out, lse, max_logits
+
+
+def _attend(args: AttnArgs, q, kv, indices, sm_scale, d_v, topk_length, attn_sink, max_logits):
+    """``(out, lse)`` of ``sparse_attn``, and ``max_logits`` filled in place where given."""
     t_count, heads, d_qk = q.shape
     if heads > 128 or d_v % 64 or args.d_rope % 16:
         raise NotImplementedError(
@@ -231,7 +250,9 @@ def sparse_attn(args: AttnArgs, q, kv, indices, sm_scale, d_v, topk_length=None,
     if t_count == 0:
         return out, lse
     if args.topk == 0 or args.pool.slots == 0:
-        return _empty_result(out, lse)
+        if max_logits is not None:
+            max_logits.fill_(float("-inf"))
+        return out.zero_(), lse.fill_(float("-inf"))
     pool = pool_rows(kv, args.pool, args.kv_kind == "packed")
     check_pool("sparse_attn", "kv", pool, pool.shape[1] * pool.element_size())
     idx = pool_slots(indices.reshape(t_count, args.topk), args.pool)
@@ -247,12 +268,18 @@ def sparse_attn(args: AttnArgs, q, kv, indices, sm_scale, d_v, topk_length=None,
         args.topk,
         sm_count(q.device),
         sink=attn_sink is not None,
+        max_logits=max_logits is not None,
     )
     inputs = (q, idx) if topk_length is None else (q, idx, topk_length)
     main = plan.prefill_tokens
     if main:  # the prefill's tokens
         rows = [aligned(_rows(x, 0, main)) for x in inputs]
-        kernel(plan.prefill)(rows[0], pool, *rows[1:], _rows(out, 0, main), _rows(lse, 0, main))
+        if plan.prefill.sink_max:
+            sink = aligned(attn_sink) if attn_sink is not None else q.new_full((heads,), float("-inf"), dtype=lse.dtype)
+            best = _rows(max_logits, 0, main) if max_logits is not None else torch.empty_like(_rows(lse, 0, main))
+            kernel(plan.prefill)(rows[0], pool, *rows[1:], sink, _rows(out, 0, main), _rows(lse, 0, main), best)
+        else:
+            kernel(plan.prefill)(rows[0], pool, *rows[1:], _rows(out, 0, main), _rows(lse, 0, main))
     if plan.split:  # the rest (a decode's tokens, or a persistent prefill's last round)
         rows = [aligned(_rows(x, main, t_count)) for x in inputs]
         part_out = torch.empty(
@@ -262,12 +289,10 @@ def sparse_attn(args: AttnArgs, q, kv, indices, sm_scale, d_v, topk_length=None,
         sink = () if attn_sink is None else (aligned(attn_sink),)  # the combine folds it into its normalization
         kernel(plan.split[0])(rows[0], pool, *rows[1:], part_out, part_lse)
         kernel(plan.split[1])(part_out, part_lse, *sink, _rows(out, main, t_count), _rows(lse, main, t_count))
-    if attn_sink is not None and main:
-        # The sink joins the denominator only: out * sum / (sum + exp(sink)) = out * sigmoid(lse - sink), in place.
-        # An empty row (lse -inf) keeps out = 0, also where the sink is -inf (-inf - -inf would be NaN).
-        out_rows, lse_rows = _rows(out, 0, main), _rows(lse, 0, main)
-        weight = torch.where(lse_rows == float("-inf"), 0.0, torch.sigmoid(lse_rows - attn_sink))
-        out_rows.mul_(weight.unsqueeze(-1))
+        if max_logits is not None:  # the split kernels keep no row maxima: a second pass over these tokens' rows
+            lengths = None if topk_length is None else topk_length[main:]
+            best = torch.ops.dsa.attn_max_logits(q[main:], kv, indices[main:], sm_scale, d_v, lengths)
+            _rows(max_logits, main, t_count).copy_(best)
     return out, lse
 
 
@@ -365,6 +390,7 @@ def _attn_case(name, kind, d_nope, d_rope, heads, tokens, slots, topk, target=No
         topk,
         torch.cuda.get_device_properties(0).multi_processor_count,
         sink=variant == "sink",
+        max_logits=variant == "flash_mla" and kind != "packed",  # (flash_mla_sparse_fwd returns them)
     )
     return dict(
         name=name,
