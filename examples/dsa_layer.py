@@ -68,6 +68,7 @@ __all__ = [
     "prefill_stages",
     "run_stages",
     "bench_layer",
+    "warm_up",
 ]
 
 FP8_MAX = 448.0  # the largest float8_e4m3fn value
@@ -818,6 +819,23 @@ def bench_layer(
     return results
 
 
+def warm_up(config: DSAConfig) -> None:
+    """Compile every kernel the layer of ``config`` runs, in parallel (one after another they take minutes)."""
+    dsa.warmup(
+        heads=config.heads,
+        d_nope=config.kv_lora,
+        d_rope=config.d_rope,
+        sm_scale=config.sm_scale,
+        kv_kinds=("packed",),
+        topk_length=(False,),
+        index_heads=config.index_heads,
+        index_dim=config.index_dim,
+        index_page=config.page,
+        topk_k=config.topk,
+        workers=16,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m examples.dsa_layer [--config NAME ...]``: print :func:`bench_layer`'s table per config."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -828,6 +846,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args(argv)
     for name in args.config or sorted(CONFIGS):
+        warm_up(CONFIGS[name])
         figures = bench_layer(
             CONFIGS[name],
             decode_batch=args.decode_batch,

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import platform
@@ -69,6 +70,7 @@ class Case:
     run: Callable[..., object]  # the op
     ref: Callable[..., object]  # the reference on CPU inputs
     exact: bool  # bytes must match; otherwise -inf at the same places and a small relative L2 error elsewhere
+    keys: Callable[[torch.device], list]  # the kernels the op runs for these inputs on a GPU (compiled up front)
 
 
 def _in_place(op: Callable, arg: int) -> Callable:
@@ -83,98 +85,156 @@ def _in_place(op: Callable, arg: int) -> Callable:
     return run
 
 
+def _output(op: Callable, i: int) -> Callable:
+    """``op`` returning only its output ``i``."""
+    return lambda *args: op(*args)[i]
+
+
+def _case(op: str, geometry: str, make, keys, exact=True, writes: int | None = None, output=None, name="") -> Case:
+    """A case of ``dsa.<op>`` against ``reference.<op>``; ``writes``: the argument the op writes in place;
+    ``output``: the one output of several that is compared (default: the first)."""
+    run, ref = getattr(torch.ops.dsa, op), getattr(reference, op)
+    if writes is not None:
+        run, ref = _in_place(run, writes), _in_place(ref, writes)
+    if output is not None:
+        run, ref = _output(run, output), _output(ref, output)
+    return Case(name or op, geometry, make, run, ref, exact, keys)
+
+
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _cache_keys(op: str, lay: KCacheLayout, round_scale: bool, device: torch.device) -> list:
+    """The kernel of the K-cache op ``op`` for rows of ``lay`` and int32 slot ids (every case's)."""
+    from ._cuda import k_cache
+
+    return k_cache.cache_keys(op, lay, round_scale)
+
+
+def _attn_keys(kind: str, lay: KCacheLayout, heads: int, tokens: int, topk: int, device, max_logits=False) -> list:
+    """The kernels of sparse_attn's launch plan (with ``max_logits``: sparse_attn_with_max_logits's) for the inputs
+    of :func:`_attn_inputs` on ``device``."""
+    from ._cuda import attention
+
+    scale, q_fp8, sms = lay.d_qk**-0.5, kind == "fp8", _sms(device)
+    plan = attention.plan_attn(
+        kind, lay.d_nope, lay.d_rope, heads, scale, False, q_fp8, tokens, topk, sms, max_logits=max_logits
+    )
+    # the split path's tokens get their maxima from attn_max_logits, which gathers packed rows with a kernel
+    gather = max_logits and plan.split and kind == "packed"
+    return list(plan.keys) + (_cache_keys("gather_dequant_k_cache", lay, False, device) if gather else [])
+
+
+def _index_keys(op: str, device: torch.device) -> list:
+    """The kernel of the indexer op ``op`` for the inputs of :func:`_indexer_cases` (FP8 queries, unrounded scales,
+    int32 slot ids), as ``source`` picks it for those arguments."""
+    from ._cuda import indexer
+    from ._cuda.compile import target
+
+    args = dict(index_dim=INDEX_DIM, page=INDEX_PAGE, heads=INDEX_HEADS, q="fp8", round_scale=False, slot_dtype="int32")
+    return indexer.source_keys(op, argparse.Namespace(**args, target=target()))
+
+
+def _topk_keys(rows: int, width: int, k: int, page: int, device: torch.device) -> list:
+    """The kernels of topk's plan for ``rows`` rows of ``width`` (to slots of ``page``-token pages, 0: positions)."""
+    from ._cuda import selection
+
+    return selection.plan_topk(rows, width, _sms(device)).keys(k, page, False, False)
+
+
+def _k_rows(gen: torch.Generator, n: int, lay: KCacheLayout) -> tuple:
+    rope = torch.randn(n, lay.d_rope, generator=gen).bfloat16() if lay.d_rope else None
+    return torch.randn(n, lay.d_nope, generator=gen).bfloat16(), rope
+
+
+def _k_pool(gen: torch.Generator, lay: KCacheLayout, slots: int) -> torch.Tensor:
+    return reference.quant_k_cache(*_k_rows(gen, slots, lay)).reshape(-1, 64, lay.row_bytes)
+
+
+def _slot_ids(gen: torch.Generator, m: int, slots: int) -> torch.Tensor:
+    ids = torch.randint(0, slots, (m,), generator=gen, dtype=torch.int32)
+    ids[::7] = -1
+    return ids
+
+
+def _cache_cases(geo: str, n_rows: int, slots: int) -> list[Case]:
+    """The K-cache ops at ``geo``'s rows. The quantizer runs with unrounded scales, the store with scales rounded to
+    powers of two: either op has a kernel for each, and the check compiles one of each op's."""
+    lay = KCacheLayout(*GEOMETRIES[geo][:2])
+
+    def store(g):
+        return (
+            *_k_rows(g, n_rows, lay),
+            _k_pool(g, lay, slots),
+            torch.randperm(slots, generator=g)[:n_rows].int(),
+            True,
+        )
+
+    def gather(g):
+        return _k_pool(g, lay, slots), _slot_ids(g, n_rows, slots)
+
+    def keys(op, round_scale=False):
+        return functools.partial(_cache_keys, op, lay, round_scale)
+
+    return [
+        _case("quant_k_cache", geo, lambda g: (*_k_rows(g, n_rows, lay), False), keys("quant_k_cache")),
+        _case("store_k_cache", geo, store, keys("store_k_cache", True), writes=2),
+        _case("dequant_k_cache", geo, lambda g: (_k_pool(g, lay, slots),), keys("dequant_k_cache")),
+        _case("gather_k_cache", geo, gather, keys("gather_k_cache")),
+        _case("gather_dequant_k_cache", geo, gather, keys("gather_dequant_k_cache")),
+    ]
+
+
+# The kv kinds of sparse_attn's cases at each geometry, over the check's tokens (the prefill path on a GPU) and over
+# DECODE_TOKENS (the split decode path): packed rows, the serving cache, at both geometries and in both paths, bf16
+# and native FP8 rows in DeepSeek's prefill. Not every kind at every geometry and path: each attention kernel takes
+# seconds to lower, one after another, before the first case.
+PREFILL_KV = {"deepseek": ("bf16", "fp8"), "glm": ("packed",)}
+DECODE_KV = {"deepseek": ("packed",), "glm": ("packed",)}
+DECODE_TOKENS = 2
+
+
+def _attn_inputs(gen, kind: str, lay: KCacheLayout, heads: int, tokens: int, topk: int, slots: int) -> tuple:
+    q = torch.randn(tokens, heads, lay.d_qk, generator=gen).bfloat16()
+    kv = _k_pool(gen, lay, slots)
+    if kind == "bf16":
+        kv = reference.dequant_k_cache(kv)
+    elif kind == "fp8":  # native FP8: float8 q over float8 rows
+        q, kv = q.to(torch.float8_e4m3fn), reference.dequant_k_cache(kv).to(torch.float8_e4m3fn)
+    idx = torch.randint(-1, slots, (tokens, topk), generator=gen, dtype=torch.int32)
+    return q, kv, idx, lay.d_qk**-0.5, lay.d_nope, None
+
+
+def _attn_cases(geo: str, tokens: int, topk: int, slots: int) -> list[Case]:
+    """sparse_attn at ``geo`` (PREFILL_KV, DECODE_KV), then attn_max_logits and sparse_attn_with_max_logits's maxima
+    over the decode's packed inputs. Those two add no kernel: the gather of packed rows (the cache cases') and the
+    decode's kernels; sparse_attn_with_max_logits's prefill kernel (the ``sink_max`` variant) would be one more
+    attention kernel to lower."""
+    d_nope, d_rope, heads = GEOMETRIES[geo]
+    lay = KCacheLayout(d_nope, d_rope)
+
+    def make(kind, t_count, n_args=6):
+        return lambda g: _attn_inputs(g, kind, lay, heads, t_count, topk, slots)[:n_args]
+
+    def attn(kind, t_count):
+        name = f"sparse_attn {kind}" if t_count == tokens else f"sparse_attn T{t_count} {kind}"
+        keys = functools.partial(_attn_keys, kind, lay, heads, t_count, topk)
+        return _case("sparse_attn", geo, make(kind, t_count), keys, exact=False, name=name)
+
+    cases = [attn(kind, tokens) for kind in PREFILL_KV[geo]] + [attn(kind, DECODE_TOKENS) for kind in DECODE_KV[geo]]
+    decode = make("packed", DECODE_TOKENS)
+    gather = functools.partial(_cache_keys, "gather_dequant_k_cache", lay, False)
+    with_max = functools.partial(_attn_keys, "packed", lay, heads, DECODE_TOKENS, topk, max_logits=True)
+    return cases + [
+        _case("attn_max_logits", geo, make("packed", DECODE_TOKENS, 5), gather, exact=False),
+        _case("sparse_attn_with_max_logits", geo, decode, with_max, exact=False, output=2),
+    ]
+
+
 def _cache_and_attention_cases(n_rows: int, tokens: int, topk: int, slots: int) -> list[Case]:
     """The K-cache ops and sparse attention at DeepSeek-V3.2's and GLM-5.3-Flash's rows."""
-    ops = torch.ops.dsa
-    cases = []
-    for geo, (d_nope, d_rope, heads) in GEOMETRIES.items():
-        lay = KCacheLayout(d_nope, d_rope)
-
-        def k_rows(gen, n, d_nope=d_nope, d_rope=d_rope):
-            rope = torch.randn(n, d_rope, generator=gen).bfloat16() if d_rope else None
-            return torch.randn(n, d_nope, generator=gen).bfloat16(), rope
-
-        def pool(gen, lay=lay, k_rows=k_rows):
-            return reference.quant_k_cache(*k_rows(gen, slots)).reshape(-1, 64, lay.row_bytes)
-
-        def slot_ids(gen, m):
-            ids = torch.randint(0, slots, (m,), generator=gen, dtype=torch.int32)
-            ids[::7] = -1
-            return ids
-
-        def attn_inputs(gen, kind, t_count=tokens, heads=heads, lay=lay, pool=pool):
-            q = torch.randn(t_count, heads, lay.d_qk, generator=gen).bfloat16()
-            kv = pool(gen)
-            if kind == "bf16":
-                kv = reference.dequant_k_cache(kv)
-            elif kind == "fp8":  # native FP8: float8 q over float8 rows
-                q, kv = q.to(torch.float8_e4m3fn), reference.dequant_k_cache(kv).to(torch.float8_e4m3fn)
-            idx = torch.randint(-1, slots, (t_count, topk), generator=gen, dtype=torch.int32)
-            return q, kv, idx, lay.d_qk**-0.5, lay.d_nope, None
-
-        def store_inputs(g, k=k_rows, p=pool):
-            return (*k(g, n_rows), p(g), torch.randperm(slots, generator=g)[:n_rows].int(), True)
-
-        cases += [
-            Case(
-                "quant_k_cache",
-                geo,
-                lambda g, k=k_rows: (*k(g, n_rows), False),
-                ops.quant_k_cache,
-                reference.quant_k_cache,
-                True,
-            ),
-            Case(
-                "store_k_cache",
-                geo,
-                store_inputs,
-                _in_place(ops.store_k_cache, 2),
-                _in_place(reference.store_k_cache, 2),
-                True,
-            ),
-            Case(
-                "dequant_k_cache", geo, lambda g, p=pool: (p(g),), ops.dequant_k_cache, reference.dequant_k_cache, True
-            ),
-            Case(
-                "gather_k_cache",
-                geo,
-                lambda g, p=pool: (p(g), slot_ids(g, n_rows)),
-                ops.gather_k_cache,
-                reference.gather_k_cache,
-                True,
-            ),
-            Case(
-                "gather_dequant_k_cache",
-                geo,
-                lambda g, p=pool: (p(g), slot_ids(g, n_rows)),
-                ops.gather_dequant_k_cache,
-                reference.gather_dequant_k_cache,
-                True,
-            ),
-        ]
-        for kind, t_count in (("bf16", tokens), ("packed", tokens), ("fp8", tokens), ("packed", 2)):
-            name = f"sparse_attn {kind}" if t_count == tokens else f"sparse_attn T{t_count} {kind}"
-            cases.append(
-                Case(
-                    name,
-                    geo,
-                    lambda g, a=attn_inputs, k=kind, t=t_count: a(g, k, t),
-                    ops.sparse_attn,
-                    reference.sparse_attn,
-                    False,
-                )
-            )
-        cases.append(
-            Case(
-                "attn_max_logits",
-                geo,
-                lambda g, a=attn_inputs: a(g, "packed", 2)[:5],
-                ops.attn_max_logits,
-                reference.attn_max_logits,
-                False,
-            )
-        )
-    return cases
+    return [c for geo in GEOMETRIES for c in _cache_cases(geo, n_rows, slots) + _attn_cases(geo, tokens, topk, slots)]
 
 
 INDEX_DIM, INDEX_PAGE = 128, 64
@@ -183,7 +243,7 @@ INDEX_HEADS = 64  # DeepSeek-V3.2's indexer heads
 
 def _indexer_cases(n_rows: int, tokens: int, keys: int, batch: int) -> list[Case]:
     """The indexer's five ops at DeepSeek-V3.2's indexer (64 heads of 128; the cache ops do not depend on heads)."""
-    ops, geo, heads = torch.ops.dsa, "deepseek", INDEX_HEADS
+    geo, heads = "deepseek", INDEX_HEADS
     pages = -(-keys // INDEX_PAGE)
 
     def cache(gen, pages=pages):
@@ -191,6 +251,9 @@ def _indexer_cases(n_rows: int, tokens: int, keys: int, batch: int) -> list[Case
         k = torch.randn(pages * INDEX_PAGE, INDEX_DIM, generator=gen).bfloat16()
         reference.store_index_k(k, c, torch.arange(pages * INDEX_PAGE, dtype=torch.int32))
         return c
+
+    def quant_inputs(gen):
+        return torch.randn(n_rows, INDEX_DIM, generator=gen).bfloat16(), False
 
     def fp8(gen, *shape):
         return (torch.randn(*shape, generator=gen) * 0.5).to(torch.float8_e4m3fn)
@@ -225,53 +288,38 @@ def _indexer_cases(n_rows: int, tokens: int, keys: int, batch: int) -> list[Case
         q = fp8(gen, batch, 2, heads, INDEX_DIM)
         return q, cache(gen), torch.randn(batch * 2, heads, generator=gen), lengths, table
 
+    def kernels(op):
+        return functools.partial(_index_keys, op)
+
     return [
-        Case(
-            "quant_index",
-            geo,
-            lambda g: (torch.randn(n_rows, INDEX_DIM, generator=g).bfloat16(), False),
-            ops.quant_index,
-            reference.quant_index,
-            True,
-        ),
-        Case(
-            "store_index_k",
-            geo,
-            store_inputs,
-            _in_place(ops.store_index_k, 1),
-            _in_place(reference.store_index_k, 1),
-            True,
-        ),
-        Case(
-            "gather_index_k",
-            geo,
-            lambda g: (cache(g), slot_ids(g), INDEX_DIM),
-            ops.gather_index_k,
-            reference.gather_index_k,
-            True,
-        ),
-        Case("index_logits", geo, logits_inputs, ops.index_logits, reference.index_logits, False),
-        Case("paged_index_logits", geo, paged_inputs, ops.paged_index_logits, reference.paged_index_logits, False),
+        _case("quant_index", geo, quant_inputs, kernels("quant_index")),
+        _case("store_index_k", geo, store_inputs, kernels("store_index_k"), writes=1),
+        _case("gather_index_k", geo, lambda g: (cache(g), slot_ids(g), INDEX_DIM), kernels("gather_index_k")),
+        _case("index_logits", geo, logits_inputs, kernels("index_logits"), exact=False),
+        _case("paged_index_logits", geo, paged_inputs, kernels("paged_index_logits"), exact=False),
     ]
 
 
 def _topk_cases(rows: int, width: int, k: int) -> list[Case]:
     """Exact top-k: a few long rows (a row split over CTAs on a GPU) and many short rows to pool slots."""
+    long_rows, long_width, page = 4, width * 8, 64  # (page: topk's default page_size, which the slot case keeps)
 
     def few_long(gen):
-        logits = torch.randn(4, width * 8, generator=gen)
-        return logits, torch.randint(0, width * 8 + 1, (4,), generator=gen, dtype=torch.int32), k
+        logits = torch.randn(long_rows, long_width, generator=gen)
+        return logits, torch.randint(0, long_width + 1, (long_rows,), generator=gen, dtype=torch.int32), k
 
     def many_paged(gen):
         logits = torch.randn(rows, width, generator=gen)
         lengths = torch.randint(0, width + 1, (rows,), generator=gen, dtype=torch.int32)
-        table = torch.randperm(rows * width // 64, generator=gen).int().reshape(rows, width // 64)
+        table = torch.randperm(rows * width // page, generator=gen).int().reshape(rows, width // page)
         table[:, ::5] = -1
         return logits, lengths, k, None, table
 
+    split_keys = functools.partial(_topk_keys, long_rows, long_width, k, 0)
+    slot_keys = functools.partial(_topk_keys, rows, width, k, page)
     return [
-        Case("topk", "few long rows", few_long, torch.ops.dsa.topk, reference.topk, True),
-        Case("topk to slots", "many rows", many_paged, torch.ops.dsa.topk, reference.topk, True),
+        _case("topk", "few long rows", few_long, split_keys),
+        _case("topk", "many rows", many_paged, slot_keys, name="topk to slots"),
     ]
 
 
@@ -311,23 +359,13 @@ def _time_ms(fn: Callable[[], object], device: torch.device, reps: int) -> float
     return (time.perf_counter() - start) / reps * 1e3
 
 
-def _warm_up_check() -> None:
-    """Compile every kernel the check runs, in parallel, before the first case (one after another they take
-    minutes); the progress line says what it is doing."""
+def _warm_up_check(cases: list[Case], device: torch.device) -> None:
+    """Compile the kernels ``cases`` run on ``device`` (each case names its own), in parallel, before the first case
+    (one after another they take minutes); the progress line says what it is doing."""
     print("compiling the check's kernels in parallel (TileLang's disk cache makes the next run fast)", flush=True)
     from . import _cuda
-    from ._cuda import attention, indexer, k_cache, selection
 
-    keys = []
-    for d_nope, d_rope, heads in GEOMETRIES.values():
-        scale = (d_nope + d_rope) ** -0.5
-        for kind, q_fp8 in (("bf16", False), ("packed", False), ("fp8", True)):  # the q of each attention case
-            keys += attention.attn_keys(kind, d_nope, d_rope, heads, scale, False, q_fp8=q_fp8)
-        keys += k_cache.warmup_keys(KCacheLayout(d_nope, d_rope), round_scale=(False, True), slot_dtypes=("int32",))
-    keys += indexer.warmup_keys(INDEX_HEADS, INDEX_DIM, INDEX_PAGE)
-    keys += selection.TopkPlan(2, 0).keys(2048, 0, False, False)  # a few long rows: split over CTAs
-    keys += selection.TopkPlan(1, 0).keys(2048, 64, False, False)  # many rows to slots: a CTA a row
-    _cuda.warmup(keys, workers=16)
+    _cuda.warmup([key for case in cases for key in case.keys(device)], workers=16)
 
 
 def _compare(got: torch.Tensor, want: torch.Tensor, exact: bool) -> tuple[bool, str]:
@@ -352,10 +390,11 @@ def check(device: torch.device) -> int:
         print(f"{key:<10}{value}")
     print()
     on_cpu = device.type == "cpu"
+    cases = _check_cases(on_cpu)
     if not on_cpu:
-        _warm_up_check()
+        _warm_up_check(cases, device)
     rows, failures = [], 0
-    for case in _check_cases(on_cpu):
+    for case in cases:
         gen = torch.Generator().manual_seed(0)
         inputs = case.make(gen)
         try:

@@ -16,9 +16,17 @@ def test_check_prints_every_op_on_the_cpu():
     table = out.split("-----", 1)[1].splitlines()
     checked = {line.split()[0] for line in table if line.strip() and not line.startswith("-")}
     assert checked >= set(OPS), f"the check leaves out {sorted(set(OPS) - checked)}"
-    for op in ("quant_k_cache", "sparse_attn bf16", "sparse_attn packed", "sparse_attn fp8", "sparse_attn T2 packed"):
+    # the cache ops and packed attention at both geometries, bf16 and native FP8 attention at DeepSeek's
+    geometries = {
+        "quant_k_cache": ("deepseek", "glm"),
+        "sparse_attn bf16": ("deepseek",),
+        "sparse_attn fp8": ("deepseek",),
+        "sparse_attn packed": ("glm",),
+        "sparse_attn T2 packed": ("deepseek", "glm"),
+    }
+    for op, geos in geometries.items():
         rows = [line for line in out.splitlines() if line.startswith(op + " ")]
-        assert len(rows) == 2 and " deepseek " in rows[0] and " glm " in rows[1], rows
+        assert len(rows) == len(geos) and all(f" {geo} " in row for geo, row in zip(geos, rows)), rows
     total = sum(1 for line in table if " cpu " in line)
     assert f"{total} of {total} ok" in out and "FAIL" not in out and "ERROR" not in out
 
@@ -128,6 +136,38 @@ def test_bench_cases_name_their_kernels(h200):
             _cuda.pass_configs(key)  # a builder is registered for every key (a KeyError otherwise)
         if case["op"] == "topk":
             assert all(key.k == 2048 for key in case["keys"]), name
+
+
+def test_gpu_check_compiles_the_kernels_its_cases_run(h200, monkeypatch):
+    # as on an H200: attention's prefill over bf16, native FP8 and packed rows, its split decode over packed rows at
+    # both geometries, both top-k schemes; the warm-up compiles the kernels the cases name, each once
+    import torch
+
+    from csrc_tl import topk
+    from sparse_dsa_ops import __main__ as cli
+    from sparse_dsa_ops import _cuda
+
+    cases, device = cli._check_cases(on_cpu=False), torch.device("cuda")
+    assert all(case.keys(device) for case in cases)
+    attn = {(c.op, c.geometry): [k.family for k in c.keys(device)] for c in cases if c.op.startswith("sparse_attn")}
+    assert attn == {
+        ("sparse_attn bf16", "deepseek"): ["attn_prefill_ws"],
+        ("sparse_attn fp8", "deepseek"): ["attn_prefill_ws"],
+        ("sparse_attn T2 packed", "deepseek"): ["attn_decode_ws", "combine"],
+        ("sparse_attn packed", "glm"): ["attn_prefill_ws"],
+        ("sparse_attn T2 packed", "glm"): ["attn_decode_ws", "combine"],
+        # (the maxima of the decode's tokens come from attn_max_logits: its gather of packed rows)
+        ("sparse_attn_with_max_logits", "deepseek"): ["attn_decode_ws", "combine", "gather_dequant"],
+        ("sparse_attn_with_max_logits", "glm"): ["attn_decode_ws", "combine", "gather_dequant"],
+    }
+    selection = {c.op: c.keys(device) for c in cases if c.op.startswith("topk")}
+    assert [k.stage for k in selection["topk"]] == ["hist", "select"]
+    assert [(type(k), k.page_size) for k in selection["topk to slots"]] == [(topk.TopkKey, 64)]
+    compiled = []
+    monkeypatch.setattr(_cuda, "warmup", lambda keys, workers: compiled.extend(keys))
+    cli._warm_up_check(cases, device)
+    # each kernel adds seconds of lowering to the first check on a fresh machine
+    assert compiled == [key for case in cases for key in case.keys(device)] and len(set(compiled)) == 25
 
 
 COPY = (">=", 0.85, "of copy")

@@ -204,6 +204,7 @@ def test_layer_against_dense_twin_on_gpu(config):
     # bfloat16 as eager does, and one flipped rounding before the FP8 quantization of q moves its index logits
     from torch._inductor import config as inductor_config
 
+    L.warm_up(config)
     with inductor_config.patch(emulate_precision_casts=True):
         step = run_flow(config, "cuda", SEQ_LENS_GPU, backend="inductor")
     assert step.graph is not None, "the decode steps must have replayed a CUDA graph"
