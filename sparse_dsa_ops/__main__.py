@@ -363,9 +363,13 @@ def _warm_up_check(cases: list[Case], device: torch.device) -> None:
     """Compile the kernels ``cases`` run on ``device`` (each case names its own), in parallel, before the first case
     (one after another they take minutes); the progress line says what it is doing."""
     print("compiling the check's kernels in parallel (TileLang's disk cache makes the next run fast)", flush=True)
+    from csrc_tl.sparse_attn.keys import AttnKey
+
     from . import _cuda
 
-    _cuda.warmup([key for case in cases for key in case.keys(device)], workers=16)
+    # the attention kernels first: their nvcc compiles are the longest, and they run beside the lowering of the rest
+    keys = sorted((key for case in cases for key in case.keys(device)), key=lambda k: not isinstance(k, AttnKey))
+    _cuda.warmup(keys, workers=16)
 
 
 def _compare(got: torch.Tensor, want: torch.Tensor, exact: bool) -> tuple[bool, str]:
