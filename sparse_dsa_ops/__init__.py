@@ -58,7 +58,9 @@ def warmup(
     ``kv_kinds`` are the pools attention will read: "bf16", "fp8" (float8_e4m3fn values) and/or
     "packed" (FP8 rows); ``fp8_q`` whether q is bf16 (False), float8_e4m3fn (True) or either
     ``(False, True)`` (a float8 q only goes with "fp8" or "packed" kv). ``topk_length`` and ``attn_sink`` say
-    whether calls pass lengths and sinks; ``cache_ops``, ``round_scale`` and ``slot_dtypes`` pick the cache kernels.
+    whether calls pass lengths and sinks (``attn_sink=(False, True)`` also covers ``sparse_attn_with_max_logits``
+    and FlashMLA's face with or without a sink); ``cache_ops``, ``round_scale`` and ``slot_dtypes`` pick the cache
+    kernels.
     ``index_heads`` (with ``index_dim`` and the index-K cache's ``index_page``) adds the indexer's kernels, and
     ``topk_k`` the top-k kernels of that k. ``workers`` threads build kernels at once.
     """
