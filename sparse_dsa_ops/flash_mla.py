@@ -27,8 +27,13 @@ Beyond FlashMLA:
 - any head count from 1 to 128 (FlashMLA: 64 or 128), any top-k width (padded inside with -1 to the ops' multiple
   of 64; FlashMLA's Hopper prefill needs a multiple of 128), any value width ``d_v``;
 - every packed row geometry (``KCacheLayout``: d_nope any multiple of 128, d_rope any tail), not only 512 + 64;
-  pools of dtype float8_e4m3fn, int8 or uint8, whose pages may lie further apart than a page (a per-layer view
-  into a bigger buffer), read in place: the shim never copies the pool;
+  pools of dtype float8_e4m3fn, int8 or uint8;
+- every pool (``kv``, ``k_cache``) may have its rows and its pages any distance apart, independently, that is a
+  whole number of rows or a multiple of 16 bytes: a per-layer view into a bigger buffer, or a slice of wider rows
+  as FlashMLA's own prefill test passes (``[s_kv, 1, d_qk]`` rows ``2 * (d_qk + 128)`` elements apart). The shim
+  never copies a pool; the ops read one whose strides are whole rows in place, and on a GPU read any other through
+  a compact copy made per call (the kernels take no row stride of their own);
+- ``q``, ``indices`` and the other tensors may be any strided views whose last dim is contiguous;
 - every index outside ``[0, pool size)`` is invalid, not only -1: any negative, ``>= s_kv``, INT_MIN, INT_MAX; such
   entries, and entries past ``topk_length``, are never read, so NaN in rows nobody selects never reaches a result;
 - the prefill also takes the pools :func:`sparse_dsa_ops.sparse_attn` takes (FP8 values, packed FP8 rows).
@@ -123,7 +128,8 @@ def flash_mla_sparse_fwd(
         Any head count 1-128.
     kv : [s_kv, 1, d_qk] bfloat16
         One latent KV head (also ``[s_kv, d_qk]``, or any pool :func:`sparse_dsa_ops.sparse_attn` takes).
-        Rows may lie a whole number of rows apart (a slice of a wider pool).
+        Rows may lie further apart than d_qk, by whole rows or by a multiple of 16 bytes (a slice of a wider
+        buffer, as FlashMLA's tests pass it).
     indices : [s_q, 1, topk] int32
         Rows of kv, any width topk. Entries outside ``[0, s_kv)`` are invalid (never read).
     sm_scale : float
@@ -220,7 +226,8 @@ def flash_mla_with_kvcache(
         Any head count 1-128.
     k_cache : [num_blocks, page_block_size, 1, row_bytes] float8_e4m3fn, int8 or uint8
         Packed FP8 rows ``KCacheLayout(head_dim_v, d_qk - head_dim_v)`` (656 bytes for DeepSeek's 512 + 64).
-        Rows are contiguous within a page; pages may lie further apart (a per-layer view). Read in place.
+        Rows and pages may lie further apart, independently, by whole rows or multiples of 16 bytes (a per-layer
+        view, a slice of wider rows). Never copied here.
     block_table, cache_seqlens : ignored
         The indices already name pool slots.
     head_dim_v : int

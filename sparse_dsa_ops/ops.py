@@ -44,13 +44,16 @@ __all__ = [
     "index_logits",
     "paged_index_logits",
     "topk",
+    "index_topk",
 ]
 
 NAMESPACE = "dsa"
 TOPK_MULTIPLE = 64  # sparse_attn's top-k widths are padded to this multiple (pad with -1)
 INDEX_DIM_MULTIPLE = 64  # the indexer's head dim
 INDEX_SCALE_BYTES = 4  # one float32 scale per index-K row
+INDEX_HEAD_DIM = 128  # the indexer head dim of every known model: D of a 2-d index-K cache when not given
 MAX_TOPK = 4096  # the largest k of dsa.topk
+STRIDE_ALIGN = 16  # bytes: a pool that is only read may have rows or pages this far apart (or whole rows)
 
 _LIB = torch.library.Library(NAMESPACE, "DEF")
 
@@ -164,53 +167,81 @@ def _tensor(
 class PoolView:
     """How a pool's slots sit in memory: ``pages`` pages of ``page`` rows of ``width`` elements, a page
     ``page_stride`` elements after the one before (``page * width`` when the pool is contiguous; larger for a
-    per-layer view into a bigger buffer). Slot ``s`` is row ``s % page`` of page ``s // page``."""
+    per-layer view into a bigger buffer), a row ``row_stride`` elements after the one before within a page (None:
+    ``width``, rows packed; larger for a slice of wider rows). Slot ``s`` is row ``s % page`` of page ``s // page``."""
 
     pages: int
     page: int
     width: int
     page_stride: int
+    row_stride: int | None = None
 
     @property
     def slots(self) -> int:
         return self.pages * self.page
 
     @property
+    def row_step(self) -> int:
+        """Elements from one row of a page to the next."""
+        return self.width if self.row_stride is None else self.row_stride
+
+    @property
     def contiguous(self) -> bool:
-        return self.pages <= 1 or self.page_stride == self.page * self.width
+        return (self.pages <= 1 or self.page_stride == self.page * self.width) and (
+            self.page <= 1 or self.row_step == self.width
+        )
+
+    @property
+    def whole_rows(self) -> bool:
+        """Every slot starts a whole number of rows after the first: the pool is rows of one ``[rows, width]``
+        tensor (with gaps nobody addresses), so kernels that address rows by id read it in place."""
+        return self.width > 0 and self.page_stride % self.width == 0 and self.row_step % self.width == 0
 
 
-def _pool(op: str, name: str, x: object, dtypes: Sequence[torch.dtype], device: torch.device | None) -> PoolView:
-    """A KV pool: ``[S, D]``, ``[S, 1, D]`` or paged ``[P, page, D]`` / ``[P, page, 1, D]``; rows contiguous, and
-    the pages of a paged pool may lie further apart than a page (``stride(0) > page * D``)."""
+def _pool(
+    op: str,
+    name: str,
+    x: object,
+    dtypes: Sequence[torch.dtype],
+    device: torch.device | None,
+    any_stride: bool = False,
+) -> PoolView:
+    """A KV pool: ``[S, D]``, ``[S, 1, D]`` or paged ``[P, page, D]`` / ``[P, page, 1, D]``, each row contiguous.
+
+    A pool an op writes keeps its rows contiguous within a page; the pages of a paged pool may lie further apart
+    than a page (``stride(0) > page * D``), a whole number of rows apart. A pool an op only reads (``any_stride``)
+    may have its rows and its pages any distance apart that is a whole number of rows or a multiple of
+    :data:`STRIDE_ALIGN` bytes (a slice of wider rows, as FlashMLA's callers pass: each row starts where the
+    kernels' 16-byte vector loads can reach it)."""
     pool = _tensor(op, name, x, dtypes, (2, 3, 4), device)
     if pool.dim() == 4 and pool.shape[2] != 1:
         _fail(op, name, "[P, page, 1, D] when 4-d (a single KV head)", pool)
     width = int(pool.shape[-1])
-    if pool.dim() == 2:
-        if not pool.is_contiguous():
-            _fail(
-                op,
-                name,
-                "contiguous when 2-d (slots are addressed as rows of a flat pool)",
-                f"{_describe(pool)} with strides {pool.stride()}",
-            )
-        return PoolView(1, int(pool.shape[0]), width, int(pool.numel()))
-    pages, page = int(pool.shape[0]), int(pool.shape[1])
-    if pages and not pool[0].is_contiguous():
-        _fail(
-            op,
-            name,
-            "contiguous within a page (slots are addressed as rows of a page)",
-            f"{_describe(pool)} with strides {pool.stride()}",
-        )
-    page_stride = int(pool.stride(0)) if pages > 1 else page * width
-    if page_stride < page * width or page_stride % width:
+    flat = pool.dim() == 2
+    pages, page = (1, int(pool.shape[0])) if flat else (int(pool.shape[0]), int(pool.shape[1]))
+    row_stride = int(pool.stride(0 if flat else 1)) if page > 1 else width
+    page_stride = int(pool.stride(0)) if pages > 1 else page * row_stride
+    strides = f"{_describe(pool)} with strides {pool.stride()}"
+    if any_stride:
+        for what, stride in (("rows", row_stride), ("rows" if page == 1 else "pages", page_stride)):
+            if width and stride % width and stride * pool.element_size() % STRIDE_ALIGN:
+                _fail(
+                    op,
+                    name,
+                    f"{what} a whole number of {width}-element rows or a multiple of {STRIDE_ALIGN} bytes apart",
+                    strides,
+                )
+        return PoolView(pages, page, width, page_stride, None if row_stride == width else row_stride)
+    if flat and row_stride != width:
+        _fail(op, name, "contiguous when 2-d (slots are addressed as rows of a flat pool)", strides)
+    if row_stride != width:
+        _fail(op, name, "contiguous within a page (slots are addressed as rows of a page)", strides)
+    if page_stride < page * width or (width and page_stride % width):
         _fail(
             op,
             name,
             f"pages a whole number of {width}-element rows apart and at least a page of {page} rows",
-            f"{_describe(pool)} with strides {pool.stride()}",
+            strides,
         )
     return PoolView(pages, page, width, page_stride)
 
@@ -287,7 +318,7 @@ def check_dequant_k_cache(packed) -> KCacheLayout:
 
 
 def _check_gather(op: str, cache, indices) -> CacheArgs:
-    view = _pool(op, "cache", cache, _PACKED_DTYPES, None)
+    view = _pool(op, "cache", cache, _PACKED_DTYPES, None, any_stride=True)
     _slots(op, "indices", indices, cache.device)
     return CacheArgs(_row_layout(op, "cache", view.width), view)
 
@@ -387,8 +418,8 @@ def gather_k_cache(cache: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """Copy the packed rows of slots ``indices [M]`` (int32 or int64) out of the pool -> ``[M, B]`` uint8.
 
     ``cache`` is ``[S, B]``, ``[S, 1, B]`` or paged ``[P, page, (1,) B]`` of packed rows (uint8, int8 or
-    float8_e4m3fn). Ids outside ``[0, S)`` give zero rows (which dequantize to zeros); nothing outside the pool
-    is read.
+    float8_e4m3fn), rows and pages strided as :func:`sparse_attn`'s ``kv`` may be. Ids outside ``[0, S)`` give
+    zero rows (which dequantize to zeros); nothing outside the pool is read.
     """
     return torch.ops.dsa.gather_k_cache(cache, indices)
 
@@ -432,7 +463,7 @@ def _kv_kind(kv: torch.Tensor, d_qk: int) -> str:
 
 def check_sparse_attn(q, kv, indices, sm_scale, d_v, topk_length=None, attn_sink=None) -> AttnArgs:
     op = "sparse_attn"
-    view = _pool(op, "kv", kv, (torch.bfloat16, *_PACKED_DTYPES), None)
+    view = _pool(op, "kv", kv, (torch.bfloat16, *_PACKED_DTYPES), None, any_stride=True)
     if not isinstance(q, torch.Tensor):
         _fail(op, "q", "a Tensor", q, TypeError)
     if kv.dtype == torch.bfloat16 and q.dtype == _FP8:
@@ -518,7 +549,9 @@ def sparse_attn(
     kv : the pool, flat ``[S, D]`` / ``[S, 1, D]`` or paged ``[P, page, D]`` / ``[P, page, 1, D]``
         bfloat16 with D = d_qk; float8_e4m3fn with D = d_qk (raw values, unit scale); or packed FP8 rows
         (uint8, int8 or float8_e4m3fn) with D = ``KCacheLayout(d_v, d_qk - d_v).row_bytes`` (d_v = d_nope).
-        Rows are contiguous within a page; the pages of a paged pool may lie further apart (a per-layer view).
+        Each row is contiguous; rows and pages may lie further apart, independently (a slice of wider rows, a
+        per-layer view), by whole rows or by multiples of 16 bytes. Read in place where every stride is a whole
+        number of rows; on a GPU a pool with other strides is read through a compact copy made per call.
     indices : [T, K] or [T, 1, K] int32
         Slot ids (``page * page_size + offset``), K a multiple of 64. Entries outside ``[0, S)`` (-1 padding,
         other negatives, values ``>= S``) count for nothing and their rows are never read.
@@ -622,7 +655,7 @@ class IndexCache:
 
 def _index_cache(op: str, cache: object, dim: int | None, device: torch.device | None) -> IndexCache:
     """``[P, page * (D + 4)]`` uint8, or its views ``[P, page, D + 4]`` / ``[P, page, 1, D + 4]``, contiguous.
-    ``dim`` is D when the caller knows it (needed for the 2-d form)."""
+    ``dim`` is D when the caller knows it (for the 2-d form, 128 when not given)."""
     cache = _tensor(op, "cache", cache, (torch.uint8,), (2, 3, 4), device)
     if cache.dim() == 4 and cache.shape[2] != 1:
         _fail(op, "cache", "[P, page, 1, D + 4] when 4-d", cache)
@@ -638,21 +671,15 @@ def _index_cache(op: str, cache: object, dim: int | None, device: torch.device |
         page, d = int(cache.shape[1]), row - INDEX_SCALE_BYTES
         if dim is not None and d != dim:
             _fail(op, "cache", f"rows of D + 4 = {dim + INDEX_SCALE_BYTES} bytes for D = {dim}", cache)
-    elif dim is None:
-        _fail(
-            op,
-            "cache",
-            "[P, page, D + 4] or [P, page, 1, D + 4] when head_dim is not given (a 2-d cache "
-            "does not say its page size)",
-            cache,
-        )
     else:
-        d = dim
+        d = INDEX_HEAD_DIM if dim is None else dim  # a 2-d cache does not say D: every known model's unless given
         if row % (d + INDEX_SCALE_BYTES):
+            hint = " (the default head_dim; pass head_dim for another D)" if dim is None else ""
             _fail(
                 op,
                 "cache",
-                f"[P, page * (D + 4)] with D = {d}: a whole number of {d + INDEX_SCALE_BYTES}-byte tokens per page",
+                f"[P, page * (D + 4)] with D = {d}{hint}: a whole number of {d + INDEX_SCALE_BYTES}-byte tokens "
+                "per page",
                 cache,
             )
         page = row // (d + INDEX_SCALE_BYTES)
@@ -697,7 +724,11 @@ def _check_logit_query(op: str, q: object, weights: object, rank: int) -> torch.
 
 
 def check_index_logits(q, k, k_scale, weights, ks, ke) -> None:
-    op = "index_logits"
+    _check_prefill_logits("index_logits", q, k, k_scale, weights, ks, ke)
+
+
+def _check_prefill_logits(op: str, q, k, k_scale, weights, ks, ke) -> None:
+    """The arguments of :func:`index_logits`, which :func:`index_topk` shares."""
     q = _check_logit_query(op, q, weights, 3)
     k = _index_rows(op, "k", k, (_FP8,), (2,), q.device)
     if k.shape[1] != q.shape[2]:
@@ -791,8 +822,9 @@ def gather_index_k(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The FP8 keys and scales of slots ``indices [M]`` (int32 or int64) of a paged index-K cache.
 
-    ``cache`` as in :func:`store_index_k`; ``head_dim`` (D) is needed for the 2-d form and checked against a
-    3-d or 4-d view. Returns ``values [M, D]`` float8_e4m3fn and ``scale [M]`` float32; ids outside
+    ``cache`` as in :func:`store_index_k`; ``head_dim`` (D) is checked against a 3-d or 4-d view, and says how the
+    2-d form splits into tokens: 128 (every known model's) when None, an error only where the width is no whole
+    number of ``D + 4``-byte tokens. Returns ``values [M, D]`` float8_e4m3fn and ``scale [M]`` float32; ids outside
     ``[0, P * page)`` give zero values and scale 0, and nothing outside the cache is read.
     """
     return torch.ops.dsa.gather_index_k(cache, indices, head_dim)
@@ -877,10 +909,7 @@ def check_topk(
     logits = _tensor(op, "logits", logits, (torch.float32,), (2,))
     rows, dev = logits.shape[0], logits.device  # symbolic under torch.compile: no int(), no specialization
     _vector(op, "lengths", lengths, torch.int32, rows, dev, "row of logits")
-    if not isinstance(k, int) or not 1 <= k <= MAX_TOPK:
-        _fail(op, "k", f"an int in [1, {MAX_TOPK}]", k, TypeError if not isinstance(k, int) else ValueError)
-    if out_width is not None and (not isinstance(out_width, int) or out_width < k):
-        _fail(op, "out_width", f"None or an int >= k = {k}", out_width)
+    width = _selection_width(op, "k", k, out_width)
     if starts is not None:
         _vector(op, "starts", starts, torch.int32, rows, dev, "row of logits")
     if not isinstance(page_size, int) or page_size < 1:
@@ -888,13 +917,22 @@ def check_topk(
     if page_table is None:
         if row_request is not None:
             _fail(op, "row_request", "None without a page_table", row_request)
-        return TopkArgs(k, out_width or k, False)
+        return TopkArgs(k, width, False)
     table = _tensor(op, "page_table", page_table, (torch.int32,), (2,), dev)
     if row_request is not None:
         _vector(op, "row_request", row_request, torch.int32, rows, dev, "row of logits")
     elif table.shape[0] == 0 or rows % table.shape[0]:
         _fail(op, "page_table", f"[B, max_pages] with B dividing R = {rows} (or pass row_request)", table)
-    return TopkArgs(k, out_width or k, True)
+    return TopkArgs(k, width, True)
+
+
+def _selection_width(op: str, name: str, k: object, out_width: object) -> int:
+    """The output width of a selection of ``k`` (the argument ``name``) entries a row, checked."""
+    if not isinstance(k, int) or not 1 <= k <= MAX_TOPK:
+        _fail(op, name, f"an int in [1, {MAX_TOPK}]", k, TypeError if not isinstance(k, int) else ValueError)
+    if out_width is not None and (not isinstance(out_width, int) or out_width < k):
+        _fail(op, "out_width", f"None or an int >= {name} = {k}", out_width)
+    return out_width or k
 
 
 @_declare(
@@ -945,6 +983,71 @@ def topk(
         deterministic. Exact definition: ``reference.topk``.
     """
     return torch.ops.dsa.topk(logits, lengths, k, starts, page_table, row_request, page_size, out_width)
+
+
+# ----------------------------------------------------------------------------------------------
+# The prefill indexer and top-k as one op.
+
+
+def check_index_topk(q, k, k_scale, weights, ks, ke, topk, out_width=None) -> int:
+    """-> the output width."""
+    op = "index_topk"
+    _check_prefill_logits(op, q, k, k_scale, weights, ks, ke)
+    return _selection_width(op, "topk", topk, out_width)
+
+
+@_declare(
+    "(Tensor q, Tensor k, Tensor k_scale, Tensor weights, Tensor ks, Tensor ke, int topk, int? out_width=None) "
+    "-> Tensor",
+    check_index_topk,
+)
+def _fake_index_topk(width, q, k, k_scale, weights, ks, ke, topk, out_width=None):
+    return q.new_empty((q.shape[0], width), dtype=torch.int32)
+
+
+def index_topk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    k_scale: torch.Tensor,
+    weights: torch.Tensor,
+    ks: torch.Tensor,
+    ke: torch.Tensor,
+    topk: int,
+    out_width: int | None = None,
+) -> torch.Tensor:
+    """The indexer's ``topk`` best keys of each query token (prefill), without ever holding the ``[T, N]`` logits.
+
+    Parameters
+    ----------
+    q : [T, Hi, D] float8_e4m3fn or bfloat16
+    k : [N, D] float8_e4m3fn
+    k_scale : [N] float32
+    weights : [T, Hi] float32
+        As in :func:`index_logits`.
+    ks, ke : [T] int32
+        Token t's candidates are the keys ``ks[t] <= j < ke[t]`` clipped to ``[0, N)`` (``ke - ks`` in int32).
+    topk : int
+        1 to 4096.
+    out_width : int or None
+        The output width (``>= topk``, e.g. a multiple of 64 for :func:`sparse_attn`); topk when None.
+
+    Returns
+    -------
+    [T, out_width or topk] int32
+        Token t's ``topk`` first candidates in the order (logit descending, then key ascending; NaN ranks below
+        ``-inf``) — all of them when it has fewer — as ascending positions ``j - ks[t]``, then -1. Bit for bit
+        ``topk(index_logits(q, k, k_scale, weights, ks, ke), ke - ks, topk, starts=ks, out_width=out_width)`` on
+        the same device. Exact definition: ``reference.index_topk``.
+
+    Notes
+    -----
+    The query tokens run in chunks, each chunk's logits scored into one reused buffer and selected from there, so
+    the memory held beyond the inputs and the output is bounded (on a GPU at most 64 MB, the buffer and top-k's
+    scratch, or one token's row of logits where that is larger), whatever T: a 128K-token prompt runs in one call.
+    The logits are still written and read back once; a kernel that keeps only each token's running candidates and
+    never writes them is future work.
+    """
+    return torch.ops.dsa.index_topk(q, k, k_scale, weights, ks, ke, topk, out_width)
 
 
 SCHEMAS = {name: op.schema for name, op in OPS.items()}

@@ -29,6 +29,11 @@ __all__ = [
     "index_logits",
     "paged_index_logits",
     "topk",
+    "index_topk",
+    "kpool_store_index_k",
+    "kpool_topk",
+    "kpool_compress",
+    "kpool_expand",
     "flatten_pool",
     "index_cache_slots",
 ]
@@ -40,9 +45,12 @@ _ATTN_CHUNK_BYTES = 96 << 20
 _INDEX_CHUNK_BYTES = 96 << 20
 _TOPK_CHUNK_BYTES = 96 << 20
 _TOPK_BYTES_PER_COLUMN = 32  # key, candidate flag, sorted keys and their int64 columns of one logit
+# The float32 logits of the query tokens index_topk selects from at once (beside the two bounds above).
+_INDEX_TOPK_CHUNK_BYTES = 64 << 20
 
 INDEX_SCALE_MIN = 1e-4  # floor of an indexer row's amax: an all-zero row gets scale 1e-4 / 448, never 0
 INDEX_SCALE_BYTES = 4  # one float32 scale per index-K token
+INDEX_HEAD_DIM = 128  # D of a 2-d index-K cache when not given (every known model's)
 # Top-k order keys (int32, larger ranks first): finite and infinite logits map monotonically onto
 # [-1 - 0x7F800000, 0x7F800000]; NaN ranks just below -inf, and a column that is no candidate below that.
 _FLOAT_MAGNITUDE = 0x7FFFFFFF
@@ -54,8 +62,8 @@ def flatten_pool(pool: torch.Tensor) -> torch.Tensor:
     """View a flat ``[S, D]``, ``[S, 1, D]`` or paged ``[P, page, (1,) D]`` pool as ``[S, D]``.
 
     Slot ``page * page_size + offset`` of a paged pool is row ``page * page_size + offset`` here. A pool whose
-    pages lie further apart than a page comes back as a copy (for reading); :func:`store_k_cache` writes such a
-    pool through its pages.
+    pages or rows lie further apart (any strides) comes back as a copy (for reading); :func:`store_k_cache` writes
+    a pool with pages apart through its pages.
     """
     return pool.reshape(-1, pool.shape[-1])
 
@@ -268,7 +276,7 @@ def _pow2_ceil(scale: torch.Tensor) -> torch.Tensor:
 def index_cache_slots(cache: torch.Tensor, head_dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-slot byte views of a paged index-K cache -> ``(values [P, page, D] uint8, scales [P, page, 4] uint8)``.
 
-    ``cache`` is ``[P, page * (D + 4)]`` (``head_dim`` = D needed) or its views ``[P, page, D + 4]`` /
+    ``cache`` is ``[P, page * (D + 4)]`` (``head_dim`` = D, 128 when None) or its views ``[P, page, D + 4]`` /
     ``[P, page, 1, D + 4]``, contiguous. Page p holds its ``page * D`` FP8 bytes token-major, then ``page``
     little-endian float32 scales. Both results are views: writing them writes the cache.
     """
@@ -276,7 +284,7 @@ def index_cache_slots(cache: torch.Tensor, head_dim: int | None = None) -> tuple
     if cache.dim() > 2:
         page, dim = cache.shape[1], cache.shape[-1] - INDEX_SCALE_BYTES
     else:
-        dim = head_dim
+        dim = INDEX_HEAD_DIM if head_dim is None else head_dim
         page = cache.shape[1] // (dim + INDEX_SCALE_BYTES)
     flat = cache.view(pages, page * (dim + INDEX_SCALE_BYTES))  # [P, page * (D + 4)], a view of the pages
     values = flat[:, : page * dim].unflatten(1, (page, dim))  # [P, page, D]
@@ -343,6 +351,13 @@ def _weighted_relu(scores: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return torch.einsum("...hw,...h->...w", scores.relu_(), weights)
 
 
+def _index_chunks(heads: int, dim: int, num_keys: int) -> tuple[int, int]:
+    """The keys and the query tokens of one chunk of :func:`index_logits`."""
+    key_chunk = min(num_keys, max(1, _INDEX_CHUNK_BYTES // (4 * (dim + heads))))  # float32 keys, one token's scores
+    token_chunk = max(1, _INDEX_CHUNK_BYTES // (4 * heads * (key_chunk + dim)))  # float32 scores and queries
+    return key_chunk, token_chunk
+
+
 def index_logits(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -362,8 +377,7 @@ def index_logits(
     out = torch.full((t_count, num_keys), float("-inf"), dtype=torch.float32, device=q.device)  # [T, N]
     if t_count == 0 or num_keys == 0:
         return out
-    key_chunk = min(num_keys, max(1, _INDEX_CHUNK_BYTES // (4 * (dim + heads))))  # float32 keys, one token's scores
-    token_chunk = max(1, _INDEX_CHUNK_BYTES // (4 * heads * (key_chunk + dim)))  # float32 scores and queries
+    key_chunk, token_chunk = _index_chunks(heads, dim, num_keys)
     begin, end = ks.long().unsqueeze(-1), ke.long().unsqueeze(-1)  # [T, 1]
     for j0 in range(0, num_keys, key_chunk):
         j1 = min(j0 + key_chunk, num_keys)
@@ -507,3 +521,133 @@ def topk(
             position = _slots_of(position, chosen, rows, page_table, row_request, num_rows, page_size)
         out[r0:r1, :take] = torch.where(chosen, position, -1).to(torch.int32)
     return out
+
+
+_select_topk = topk  # (index_topk's argument ``topk`` hides the function)
+
+
+def index_topk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    k_scale: torch.Tensor,
+    weights: torch.Tensor,
+    ks: torch.Tensor,
+    ke: torch.Tensor,
+    topk: int,
+    out_width: int | None = None,
+) -> torch.Tensor:
+    """The ``topk`` best keys of each query token -> ``[T, out_width or topk]`` int32: by definition
+    ``topk(index_logits(q, k, k_scale, weights, ks, ke), ke - ks, topk, starts=ks, out_width=out_width)``.
+
+    The tokens run in chunks of whole chunks of :func:`index_logits` (so every logit comes from the same
+    computation as in the composition, bit for bit), as many as keep a chunk's logits within
+    ``_INDEX_TOPK_CHUNK_BYTES``: the ``[T, N]`` logits are never held at once.
+    """
+    t_count, heads, dim = q.shape
+    num_keys = k.shape[0]
+    out = torch.full((t_count, topk if out_width is None else out_width), -1, dtype=torch.int32, device=q.device)
+    if t_count == 0 or num_keys == 0:
+        return out  # [T, W'], no candidates
+    lengths = ke - ks  # [T] int32, as the composition computes it
+    unit = _index_chunks(heads, dim, num_keys)[1]
+    chunk = unit * max(1, _INDEX_TOPK_CHUNK_BYTES // (4 * num_keys * unit))
+    for t0 in range(0, t_count, chunk):
+        t1 = min(t0 + chunk, t_count)
+        logits = index_logits(q[t0:t1], k, k_scale, weights[t0:t1], ks[t0:t1], ke[t0:t1])  # [t, N]
+        out[t0:t1] = _select_topk(logits, lengths[t0:t1], topk, ks[t0:t1], out_width=out_width)  # [t, W']
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The k-pool indexer (GLM-5.3-Flash): pools of kpool consecutive tokens, scored as one index key each.
+
+
+def kpool_compress(k: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor) -> torch.Tensor:
+    """The keys ``[Np, D]`` bfloat16 of complete pools: ``k [Np, kpool, D]`` bfloat16, ``gate [Np, kpool, D]`` and
+    ``ape [kpool, D]`` (bfloat16 or float32).
+
+    Per channel d, ``pool_k[d] = sum_i p[i, d] * k[i, d]`` with ``p = softmax_i(gate[i, d] + ape[i, d])``, rounded as
+    the model rounds it: the softmax in float32, its weights rounded to bfloat16, each product rounded to bfloat16,
+    their sum accumulated in float32 and rounded once to bfloat16. Runs on any device without a host sync.
+    """
+    logits = gate.float() + ape.float()  # [Np, kpool, D]
+    weights = logits.softmax(dim=1).to(torch.bfloat16)  # [Np, kpool, D]
+    products = (weights.float() * k.float()).to(torch.bfloat16)  # [Np, kpool, D], one rounding per product
+    return products.float().sum(dim=1).to(torch.bfloat16)  # [Np, D]
+
+
+def kpool_store_index_k(
+    k: torch.Tensor,
+    gate: torch.Tensor,
+    ape: torch.Tensor,
+    cache: torch.Tensor,
+    loc: torch.Tensor,
+    round_scale: bool = False,
+) -> None:
+    """Compress each complete pool (:func:`kpool_compress`) and store its key into slot ``loc[i]`` of the index-K
+    cache exactly as :func:`store_index_k` stores a token's key; invalid slots are skipped."""
+    store_index_k(kpool_compress(k, gate, ape), cache, loc, round_scale)
+
+
+def kpool_expand(
+    pools: torch.Tensor,
+    lengths: torch.Tensor,
+    kpool: int,
+    width: int,
+    tail: bool = True,
+    page_table: torch.Tensor | None = None,
+    row_request: torch.Tensor | None = None,
+    page_size: int = 64,
+) -> torch.Tensor:
+    """Token positions (or slots) ``[R, width]`` int32 of selected pools ``pools [R, k]`` int32 (ascending pool
+    positions, then -1) of rows that see ``lengths [R]`` tokens.
+
+    Pool p becomes the tokens ``p * kpool .. p * kpool + kpool - 1``; with ``tail``, the ``lengths[r] % kpool``
+    tokens of the row's incomplete pool follow; then -1. Every token lies after the tokens before it, so the row
+    ascends. With ``page_table``, positions become slots as :func:`topk` maps them. No host sync: each row's tail is
+    scattered to the column after its last selected pool.
+    """
+    rows, k = pools.shape
+    offset = torch.arange(kpool, device=pools.device)  # [kpool]
+    chosen = pools >= 0  # [R, k]
+    tokens = pools.long().unsqueeze(-1) * kpool + offset  # [R, k, kpool]
+    tokens = torch.where(chosen.unsqueeze(-1), tokens, -1).flatten(1)  # [R, k * kpool]
+    out = torch.full((rows, width), -1, dtype=torch.int64, device=pools.device)  # [R, width]
+    out[:, : k * kpool] = tokens
+    if tail and kpool > 1:
+        seen = lengths.long().clamp_min(0).unsqueeze(-1)  # [R, 1]
+        partial = seen % kpool  # [R, 1], tokens of the incomplete pool
+        step = offset[: kpool - 1]  # [kpool - 1]
+        tail_tokens = torch.where(step < partial, seen - partial + step, -1)  # [R, kpool - 1]
+        first = chosen.sum(dim=1, keepdim=True) * kpool  # [R, 1], the column after the last selected pool's tokens
+        out.scatter_(1, first + step, tail_tokens)  # columns past the row's pools hold -1: unused tail entries keep it
+    if page_table is not None:
+        valid = out >= 0  # [R, width]
+        rows_of = torch.arange(rows, device=pools.device)  # [R]
+        out = _slots_of(torch.where(valid, out, 0), valid, rows_of, page_table, row_request, rows, page_size)
+    return out.to(torch.int32)
+
+
+def kpool_topk(
+    logits: torch.Tensor,
+    lengths: torch.Tensor,
+    k: int,
+    kpool: int,
+    starts: torch.Tensor | None = None,
+    page_table: torch.Tensor | None = None,
+    row_request: torch.Tensor | None = None,
+    page_size: int = 64,
+    out_width: int | None = None,
+    tail: bool = True,
+) -> torch.Tensor:
+    """The k best complete pools of each row of pool logits ``logits [R, Wp]`` float32, expanded to their tokens
+    -> ``[R, out_width]`` int32.
+
+    Row r sees ``L = max(lengths[r], 0)`` tokens, so its candidates are its ``L // kpool`` complete pools: the
+    columns ``[starts[r], starts[r] + L // kpool)`` clipped to ``[0, Wp)``, chosen exactly as :func:`topk` chooses
+    (logit descending, position ascending, NaN below ``-inf``). :func:`kpool_expand` writes their tokens and, with
+    ``tail``, the row's ``L % kpool`` newest tokens, then -1 (or slots through ``page_table``).
+    """
+    width = out_width if out_width is not None else k * kpool + (kpool - 1 if tail else 0)
+    pools = topk(logits, torch.div(lengths.clamp_min(0), kpool, rounding_mode="floor"), k, starts)  # [R, k]
+    return kpool_expand(pools, lengths, kpool, width, tail, page_table, row_request, page_size)

@@ -162,6 +162,18 @@ def strided(x: torch.Tensor, dim: int, extra: int) -> torch.Tensor:
     return view
 
 
+def widened(x: torch.Tensor) -> torch.Tensor:
+    """``x`` laid out as FlashMLA's tests lay out their inputs: a slice of a tensor one longer in every dim and 128
+    wider in the last, so that no stride is a whole number of rows (a kv ``[s_kv, 1, 576]`` has rows 1408 elements
+    apart). Gaps hold NaN, or for integers the valid id 7."""
+    shape = [n + 1 for n in x.shape[:-1]] + [x.shape[-1] + 128]
+    fill = 7 if not x.is_floating_point() else math.nan
+    view = torch.full(shape, fill, dtype=torch.float32 if x.is_floating_point() else x.dtype).to(x.dtype)
+    view = view[tuple(slice(0, n) for n in x.shape)]
+    view.copy_(x)
+    return view
+
+
 def to_cuda(x: torch.Tensor | None) -> torch.Tensor | None:
     """``x`` on the GPU with the same strides (a strided view stays strided; gaps are left unset)."""
     if x is None:
@@ -185,9 +197,19 @@ class Prefill:
     lengths: bool = False
     lonely_every: int = 5
     strided: bool = False
+    widened: bool = False  # q, kv and indices laid out as FlashMLA's own prefill test lays them out
 
     def __str__(self) -> str:
-        flags = [name for name, on in (("sink", self.sink), ("len", self.lengths), ("strided", self.strided)) if on]
+        flags = [
+            name
+            for name, on in (
+                ("sink", self.sink),
+                ("len", self.lengths),
+                ("strided", self.strided),
+                ("widened", self.widened),
+            )
+            if on
+        ]
         return "-".join(
             [f"sq{self.s_q}", f"h{self.h_q}", f"{self.d_qk}v{self.d_v}", f"kv{self.s_kv}", f"k{self.topk}", *flags]
         )
@@ -203,6 +225,8 @@ def prefill_inputs(gen, case: Prefill):
     idx = idx.reshape(case.s_q, 1, case.topk)
     if case.strided:  # FlashMLA's tests pass slices of larger tensors; kv's rows stay whole rows apart
         q, kv, idx = strided(q, 1, 3), strided(kv, 1, 1), strided(idx, 2, 5)
+    if case.widened:  # kv's rows 128 + d_qk * 2 elements apart: not whole rows, a multiple of 16 bytes
+        q, kv, idx = widened(q), widened(kv), widened(idx)
     return q, kv, idx, sink, lengths
 
 
@@ -230,6 +254,8 @@ PREFILL_CPU = [
     Prefill(1, 128, 576, 128, 128),
     Prefill(62, 16, 512, 95, 128),  # top-k wider than the KV: out-of-range entries
     Prefill(213, 8, 576, 592, 128, strided=True),
+    Prefill(62, 16, 576, 592, 128, sink=True, lengths=True, widened=True),
+    Prefill(62, 64, 512, 153, 256, widened=True),
     Prefill(62, 64, 576, 153, 64, sink=True, lengths=True),
     Prefill(62, 8, 512, 300, 100, sink=True, lengths=True),  # a top-k the shim pads to 128
     Prefill(213, 16, 576, 40, 192, sink=True, lengths=True, lonely_every=3),  # few valid rows: many lonely
@@ -265,6 +291,12 @@ PREFILL_CUDA = (
         for s_q, s_kv, topk in ((1, 128, 128), (1234, 4321, 4096), (1024, 32, 2048))
     ]
     + [Prefill(213, 16, 576, 592, 100, sink=True, lengths=True, strided=True)]
+    + [
+        Prefill(s_q, h_q, d_qk, s_kv, topk, sink=True, lengths=True, widened=True)
+        for d_qk in (512, 576)
+        for h_q in (64, 128)
+        for s_q, s_kv, topk in ((62, 1840, 256), (213, 95, 128))
+    ]
 )
 
 
@@ -379,6 +411,7 @@ class Decode:
     lengths: bool = False
     lonely_every: int = 4
     layers: int = 1  # > 1: the pool is one layer's view of a buffer of several, pages that far apart
+    row_gap: int = 0  # bytes between one row's end and the next row's start within a page (a slice of wider rows)
 
     @property
     def layout(self) -> KCacheLayout:
@@ -391,7 +424,12 @@ class Decode:
     def __str__(self) -> str:
         flags = [
             name
-            for name, on in (("sink", self.sink), ("len", self.lengths), (f"layers{self.layers}", self.layers > 1))
+            for name, on in (
+                ("sink", self.sink),
+                ("len", self.lengths),
+                (f"layers{self.layers}", self.layers > 1),
+                (f"gap{self.row_gap}", self.row_gap > 0),
+            )
             if on
         ]
         return "-".join(
@@ -419,9 +457,10 @@ def decode_inputs(gen, case: Decode):
     lengths = lengths_for(gen, case.b, case.topk) if case.lengths else None
     token_lengths = None if lengths is None else lengths.repeat_interleave(case.s_q)
     rows[unselected(idx, slots, token_lengths)] = 0xFF  # NaN values, scales and tails in rows nobody selects
-    buffer = torch.full((case.blocks, case.layers, case.page, lay.row_bytes), 0xFF, dtype=torch.uint8)
-    buffer[:, case.layers // 2] = rows.reshape(case.blocks, case.page, lay.row_bytes)
-    k_cache = buffer[:, case.layers // 2].unsqueeze(2).view(case.pool_dtype)  # [blocks, page, 1, row_bytes]
+    buffer = torch.full((case.blocks, case.layers, case.page, lay.row_bytes + case.row_gap), 0xFF, dtype=torch.uint8)
+    layer = buffer[:, case.layers // 2, :, : lay.row_bytes]  # [blocks, page, row_bytes], the gaps NaN bytes
+    layer.copy_(rows.reshape(case.blocks, case.page, lay.row_bytes))
+    k_cache = layer.unsqueeze(2).view(case.pool_dtype)  # [blocks, page, 1, row_bytes]
     sink = sinks_for(gen, case.h_q) if case.sink else None
     return q, k_cache, idx.reshape(case.b, case.s_q, case.topk), sink, lengths
 
@@ -472,6 +511,9 @@ DECODE_CPU = [
     Decode(2, 3, 16, 69, 64, torch.int8, d_nope=512, d_rope=0, lengths=True),  # the 528-byte row
     Decode(2, 1, 1, 2, 64, torch.uint8, d_nope=256, d_rope=0, sink=True),  # one head, 264-byte rows
     Decode(2, 3, 16, 64, 128, torch.float8_e4m3fn, sink=True, lengths=True, layers=3),
+    Decode(2, 3, 16, 53, 128, torch.uint8, sink=True, lengths=True, layers=2, row_gap=16),  # rows 672 bytes apart
+    Decode(2, 1, 8, 61, 64, torch.int8, layers=3, row_gap=656),  # rows two rows apart: read in place
+    Decode(2, 1, 8, 2, 64, torch.uint8, d_nope=256, d_rope=0, row_gap=8),  # 264-byte rows 272 bytes apart
 ]
 
 
@@ -501,6 +543,11 @@ DECODE_CUDA = (
         for page, topk, dtype in ((61, 64, torch.int8), (53, 576, torch.float8_e4m3fn), (69, 100, torch.uint8))
     ]
     + [Decode(74, 1, 128, 64, 2048, torch.float8_e4m3fn, sink=True, lengths=True, layers=3)]
+    + [
+        Decode(74, 3, h_q, 64, 576, dtype, sink=True, lengths=True, layers=2, row_gap=gap)
+        for h_q in (64, 16)
+        for dtype, gap in ((torch.float8_e4m3fn, 16), (torch.uint8, 656))
+    ]
 )
 
 
@@ -550,9 +597,12 @@ def test_with_kvcache_lse_layout_is_flashmlas(gen):
 def test_with_kvcache_strided_q_and_indices(gen):
     case = Decode(2, 3, 16, 53, 100, torch.int8, sink=True, lengths=True)
     q, k_cache, idx, sink, lengths = decode_inputs(gen, case)
-    got = run_decode(case, strided(q, 2, 3), k_cache, strided(idx, 2, 7), sink, lengths)
     want = run_decode(case, q, k_cache, idx, sink, lengths)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for got in (
+        run_decode(case, strided(q, 2, 3), k_cache, strided(idx, 2, 7), sink, lengths),
+        run_decode(case, widened(q), k_cache, widened(idx), sink, lengths),  # as FlashMLA's decode test passes them
+    ):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_with_kvcache_explicit_scale_and_keywords(gen):
@@ -717,6 +767,34 @@ def test_sparse_fwd_bad_input_names_the_argument(gen):
         fm.flash_mla_sparse_fwd(q, kv[..., :512], idx, PREFILL_SCALE)
     with pytest.raises(TypeError, match="attn_sink"):
         fm.flash_mla_sparse_fwd(q, kv, idx, PREFILL_SCALE, attn_sink=torch.zeros(8, dtype=torch.float64))
+
+
+def test_core_ops_take_flashmlas_strides(gen):
+    # the contract under the face: checker, reference and fake take pools whose rows are not whole rows apart
+    q = torch.randn(5, 8, 576, generator=gen).bfloat16()
+    kv = (torch.randn(40, 1, 576, generator=gen) / 10).bfloat16()
+    idx = torch.randint(-2, 44, (5, 64), generator=gen, dtype=torch.int32)
+    want = dsa.sparse_attn(q, kv, idx, 0.5, 512)
+    for pool in (widened(kv), widened(kv[:, 0]), widened(kv.reshape(8, 5, 576)).unsqueeze(2)):
+        got = dsa.sparse_attn(q, pool, idx, 0.5, 512)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        torch.library.opcheck(torch.ops.dsa.sparse_attn.default, (q, pool, idx, 0.5, 512))
+    packed = dsa.quant_k_cache(kv[:, 0, :512].contiguous(), kv[:, 0, 512:].contiguous())  # [40, 656]
+    ids = torch.tensor([3, -1, 39, 40, 0], dtype=torch.int32)
+    rows = strided(packed.view(8, 5, 656), 2, 16)  # rows 672 bytes apart
+    assert torch.equal(dsa.gather_k_cache(rows, ids), dsa.gather_k_cache(packed, ids))
+    torch.library.opcheck(torch.ops.dsa.gather_k_cache.default, (rows, ids))
+
+
+def test_strides_the_kernels_cannot_reach_are_refused(gen):
+    q = torch.randn(5, 8, 576, generator=gen).bfloat16()
+    idx = torch.zeros(5, 64, dtype=torch.int32)
+    kv = torch.zeros(40, 580, dtype=torch.bfloat16)[:, :576]  # rows 1160 bytes apart
+    with pytest.raises(ValueError, match="kv must be rows a whole number of 576-element rows or a multiple of 16"):
+        fm.flash_mla_sparse_fwd(q, kv.unsqueeze(1), idx.unsqueeze(1), PREFILL_SCALE)
+    pool = torch.zeros(40, 672, dtype=torch.uint8)[:, :656]  # a pool that is written keeps its rows packed
+    with pytest.raises(ValueError, match="cache must be contiguous when 2-d"):
+        dsa.store_k_cache(torch.zeros(1, 512).bfloat16(), torch.zeros(1, 64).bfloat16(), pool, idx[0, :1])
 
 
 def test_module_exports():

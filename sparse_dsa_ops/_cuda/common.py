@@ -43,24 +43,30 @@ def slot_dtype(ids: torch.Tensor) -> str:
 
 
 def pool_rows(pool: torch.Tensor, view: PoolView, packed: bool = True) -> torch.Tensor:
-    """The pool as one ``[rows, width]`` tensor of rows the kernels address by row id, without a copy: a uint8
-    view of packed rows of any 1-byte dtype; for pages further apart than a page, the rows from the first page's
-    first to the last page's last (the gaps between pages included, never addressed: see :func:`pool_slots`).
+    """The pool as one ``[rows, width]`` tensor of rows the kernels address by row id: a uint8 view of packed rows
+    of any 1-byte dtype. Without a copy where every slot starts a whole number of rows after the first
+    (``view.whole_rows``): for pages or rows further apart, the rows from the first slot's to the last slot's (the
+    gaps included, never addressed: see :func:`pool_slots`). Any other stride (rows a multiple of 16 bytes apart
+    but not a whole number of rows, as in a slice of wider rows) gets a compact copy of the pool, made per call:
+    the kernels take the pool as a contiguous ``[rows, width]`` tensor with no row stride of its own.
     ``packed``: the pool holds packed rows (not raw bf16 or float8 values)."""
     if packed and pool.dtype in (torch.int8, torch.float8_e4m3fn):
         pool = pool.view(torch.uint8)
     if view.contiguous:
         return pool.reshape(-1, view.width)
-    rows = (view.pages - 1) * (view.page_stride // view.width) + view.page
+    if not view.whole_rows:
+        return pool.reshape(-1, view.width).contiguous()
+    rows = (view.pages - 1) * (view.page_stride // view.width) + (view.page - 1) * (view.row_step // view.width) + 1
     return pool.as_strided((rows, view.width), (view.width, 1))
 
 
 def pool_slots(ids: torch.Tensor, view: PoolView) -> torch.Tensor:
-    """Slot ids as row ids of :func:`pool_rows`: ``ids`` itself for a contiguous pool; else slot ``s`` becomes
-    ``(s // page) * (page_stride / width) + s % page``, and an id outside ``[0, S)`` becomes -1."""
-    if view.contiguous:
+    """Slot ids as row ids of :func:`pool_rows`: ``ids`` itself for a contiguous pool or its compact copy; else slot
+    ``s`` becomes ``(s // page) * (page_stride / width) + (s % page) * (row_stride / width)``, and an id outside
+    ``[0, S)`` becomes -1."""
+    if view.contiguous or not view.whole_rows:
         return ids
     valid = (ids >= 0) & (ids < view.slots)
     page = torch.div(ids, view.page, rounding_mode="floor")
-    rows = page * (view.page_stride // view.width) + (ids - page * view.page)
+    rows = page * (view.page_stride // view.width) + (ids - page * view.page) * (view.row_step // view.width)
     return torch.where(valid, rows, -1).to(ids.dtype)
