@@ -6,6 +6,7 @@ See ``ops.py`` for the contract of each op and ``flash_mla`` for FlashMLA's spar
 """
 
 from . import _cuda, reference
+from .kpool import kpool_store_index_k, kpool_topk
 from .layout import KCacheLayout
 from .ops import (
     attn_max_logits,
@@ -92,5 +93,7 @@ __all__ = [
     "index_logits",
     "paged_index_logits",
     "topk",
+    "kpool_store_index_k",
+    "kpool_topk",
     "warmup",
 ]

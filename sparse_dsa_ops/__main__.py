@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from . import reference
+from .kpool import kpool_width
 from .layout import KCacheLayout
 
 # DeepSeek-V3.2 and GLM-5.3-Flash (its public config): d_nope, d_rope, heads
@@ -323,6 +324,40 @@ def _topk_cases(rows: int, width: int, k: int) -> list[Case]:
     ]
 
 
+def _kpool_cases(pools: int, rows: int, width: int, k: int) -> list[Case]:
+    """GLM-5.3-Flash's k-pool ops: pools of 16 tokens compressed into the index-K cache (on a GPU, softmax rounds
+    its last float32 bit otherwise than the CPU's now and then, which may move one FP8 code: not exact), and k pools of
+    each row selected and expanded to token slots through a page table, with the tail."""
+    from ._cuda import kpool
+
+    geo, kp, page = "glm", kpool.KPOOL, INDEX_PAGE
+
+    def store(gen):
+        k_rows = torch.randn(pools, kp, INDEX_DIM, generator=gen).bfloat16()
+        gate = torch.randn(pools, kp, INDEX_DIM, generator=gen).bfloat16()
+        ape = torch.randn(kp, INDEX_DIM, generator=gen).bfloat16()
+        cache = torch.zeros(2 * pools // page, page * (INDEX_DIM + 4), dtype=torch.uint8)
+        loc = torch.randperm(cache.shape[0] * page, generator=gen)[:pools].int()  # distinct slots, half the cache
+        loc[::7] = -1
+        return k_rows, gate, ape, cache, loc, False
+
+    def select(gen):
+        logits = torch.randn(rows, width, generator=gen)
+        lengths = torch.randint(0, width * kp + kp, (rows,), generator=gen, dtype=torch.int32)
+        token_pages = width * kp // page + 1
+        table = torch.randperm(rows * token_pages, generator=gen).int().reshape(rows, token_pages)
+        return logits, lengths, k, kp, None, table, None, page, -(-kpool_width(k, kp) // 64) * 64
+
+    def keys(op, device):
+        args = argparse.Namespace(index_dim=INDEX_DIM, page=page, round_scale=False, slot_dtype="int32", k=k)
+        return kpool.source_keys(op, args)
+
+    return [
+        _case("kpool_store_index_k", geo, store, functools.partial(keys, "kpool_store_index_k"), False, writes=3),
+        _case("kpool_topk", geo, select, functools.partial(keys, "kpool_topk"), name="kpool_topk to slots"),
+    ]
+
+
 def _check_cases(on_cpu: bool) -> list[Case]:
     """Every op's cases; on a GPU, at sizes where 256 tokens take the attention prefill path at both geometries,
     2 tokens the split decode path, and a few long top-k rows are split over CTAs."""
@@ -331,11 +366,13 @@ def _check_cases(on_cpu: bool) -> list[Case]:
             _cache_and_attention_cases(n_rows=4096, tokens=4, topk=2048, slots=16384)
             + _indexer_cases(n_rows=4096, tokens=8, keys=1024, batch=2)
             + _topk_cases(rows=8, width=1024, k=256)
+            + _kpool_cases(pools=256, rows=8, width=512, k=16)
         )
     return (
         _cache_and_attention_cases(n_rows=65536, tokens=256, topk=2048, slots=65536)
         + _indexer_cases(n_rows=65536, tokens=128, keys=4096, batch=4)
         + _topk_cases(rows=256, width=8192, k=2048)
+        + _kpool_cases(pools=65536, rows=64, width=8192, k=128)
     )
 
 

@@ -1,8 +1,8 @@
-"""The GPU backend: one module per op family (``k_cache``, ``attention``, ``indexer``, ``selection``) over the shared
-compile cache (``compile``). Each family module registers how its kernel keys are built and defines the GPU
-implementation of each of its ops under the op's name; ``register_backend`` finds them here by name."""
+"""The GPU backend: one module per op family (``k_cache``, ``attention``, ``indexer``, ``selection``, ``kpool``)
+over the shared compile cache (``compile``). Each family module registers how its kernel keys are built and defines
+the GPU implementation of each of its ops under the op's name; ``register_backend`` finds them here by name."""
 
-from . import attention, indexer, k_cache, selection
+from . import attention, indexer, k_cache, kpool, selection
 from .attention import (
     AttnPlan,
     attn_keys,
@@ -23,9 +23,10 @@ from .k_cache import (
     quant_k_cache,
     store_k_cache,
 )
+from .kpool import kpool_store_index_k, kpool_topk
 from .selection import topk
 
-FAMILIES = (k_cache, attention, indexer, selection)
+FAMILIES = (k_cache, attention, indexer, selection, kpool)
 
 __all__ = [
     "FAMILIES",
@@ -55,4 +56,6 @@ __all__ = [
     "index_logits",
     "paged_index_logits",
     "topk",
+    "kpool_store_index_k",
+    "kpool_topk",
 ]

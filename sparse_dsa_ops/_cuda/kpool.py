@@ -1,0 +1,136 @@
+"""GPU implementation of the k-pool indexer's ops (arguments already checked by ``kpool.py``).
+
+Both ops are compositions, on the GPU and free of host syncs (capture-safe): ``kpool_store_index_k`` compresses the
+pools with plain torch (the reference's ``kpool_compress``, the model's roundings) and stores them with the indexer
+family's ``store_index_k`` kernel; ``kpool_topk`` selects pools with the top-k family's kernels and expands them with
+``reference.kpool_expand`` (a few elementwise launches and one scatter for the tails). Their kernels are therefore
+the indexer's and the top-k's: warming those up (``warmup(index_heads=..., topk_k=k)``) warms these ops up.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from csrc_tl import index as index_builders
+
+from ..ops import TopkArgs, takes_checked
+from ..reference import kpool_compress, kpool_expand
+from . import indexer, selection
+from .compile import sm_count
+
+__all__ = ["bench_cases", "warmup_keys", "kpool_store_index_k", "kpool_topk"]
+
+
+@takes_checked
+def kpool_store_index_k(layout, k, gate, ape, cache, loc, round_scale=False):
+    if k.shape[0] and layout.slots:
+        indexer.store_index_k(layout, kpool_compress(k, gate, ape), cache, loc, round_scale)
+
+
+def select_pools(logits, pool_lengths, k, starts):
+    """The top-k family's selection of k pools per row: ``[R, k]`` int32 ascending pool positions, then -1."""
+    return selection.topk(TopkArgs(k, k, False), logits, pool_lengths, k, starts)
+
+
+@takes_checked
+def kpool_topk(
+    args,
+    logits,
+    lengths,
+    k,
+    kpool,
+    starts=None,
+    page_table=None,
+    row_request=None,
+    page_size=64,
+    out_width=None,
+    tail=True,
+):
+    pool_lengths = torch.div(lengths.clamp_min(0), kpool, rounding_mode="floor")  # [R] complete pools a row sees
+    pools = select_pools(logits, pool_lengths, k, starts)  # [R, k]
+    return kpool_expand(pools, lengths, kpool, args.width, tail, page_table, row_request, page_size)
+
+
+def warmup_keys(k=None, dim=128, page=64, round_scale=(False,), slot_dtypes=("int32",)) -> list:
+    """The kernels of the k-pool ops: the index-K store of ``dim``-wide keys into pages of ``page`` pool rows, and
+    the top-k kernels of k pools (both schemes, with and without ``starts``)."""
+    keys = [index_builders.QuantIndexKey(dim, page, rs, sd) for rs in round_scale for sd in slot_dtypes]
+    if k:
+        keys += selection.warmup_keys(k, page, paged=(False,))
+    return keys
+
+
+SOURCE_OPS = ("kpool_store_index_k", "kpool_topk")  # the ops ``python -m sparse_dsa_ops source`` prints kernels of
+
+
+def source_keys(op: str, args) -> list:
+    """The kernels ``op`` runs for the command line's ``args``: ``store_index_k``'s for ``index_dim``, ``page``,
+    ``round_scale`` and ``slot_dtype``; the pool selection's top-k kernels of k pools (both schemes)."""
+    if op == "kpool_store_index_k":
+        return [index_builders.QuantIndexKey(args.index_dim, args.page, args.round_scale, args.slot_dtype)]
+    return selection.TopkPlan(1, 0).keys(args.k, 0, False, False) + selection.TopkPlan(2, 0).keys(
+        args.k, 0, False, False
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Bench cases (GLM-5.3-Flash's indexer: pools of 16 tokens, 128 selected, 128-wide keys, 64-row pages).
+
+KPOOL, DIM, PAGE, POOLS_SELECTED = 16, 128, 64, 128
+STORE_TARGET = (">=", 0.80, "of copy")
+ROW_TARGET = ("<=", 10.0, "us")
+ROWS_TARGET = (">=", 0.60, "of copy")
+
+
+def _store_case(pools: int) -> dict:
+    def make():
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        k = torch.randn(pools, KPOOL, DIM, device="cuda", generator=gen).to(torch.bfloat16)
+        gate = torch.randn(pools, KPOOL, DIM, device="cuda", generator=gen).to(torch.bfloat16)
+        ape = torch.randn(KPOOL, DIM, device="cuda", generator=gen).to(torch.bfloat16)
+        pages = -(-pools // PAGE)
+        cache = torch.zeros(pages, PAGE * (DIM + 4), dtype=torch.uint8, device="cuda")
+        loc = torch.randperm(pages * PAGE, device="cuda", generator=gen)[:pools].int()
+        return k, gate, ape, cache, loc, False
+
+    key = index_builders.QuantIndexKey(DIM, PAGE)
+    moved = pools * (2 * 2 * KPOOL * DIM + DIM + 4 + 4)  # k and gate read, the row and its scale written, the slot
+    return dict(
+        name=f"kpool_store_index_k {pools >> 10}K pools of {KPOOL}",
+        op="kpool_store_index_k",
+        make=make,
+        flops=None,
+        bytes=moved,
+        keys=[key],
+        path=key.name,
+        target=STORE_TARGET,
+    )
+
+
+def _topk_case(rows: int, pools: int) -> dict:
+    def make():
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        logits = torch.randn(rows, pools, device="cuda", generator=gen)
+        lengths = torch.full((rows,), pools * KPOOL + KPOOL - 1, dtype=torch.int32, device="cuda")
+        return logits, lengths, POOLS_SELECTED, KPOOL, None, None, None, PAGE, 2112
+
+    sms = sm_count(torch.device("cuda")) if torch.cuda.is_available() else selection.DEFAULT_SMS
+    plan = selection.plan_topk(rows, pools, sms)
+    keys = plan.keys(POOLS_SELECTED, 0, False, False)
+    path = f"{plan.chunks} CTAs a row" if plan.chunks > 1 else "a CTA a row"
+    return dict(
+        name=f"kpool_topk k{POOLS_SELECTED} of {pools} pools of {KPOOL}, {rows} rows",
+        op="kpool_topk",
+        make=make,
+        flops=None,
+        bytes=rows * pools * 4,
+        keys=keys,
+        path=path,
+        target=ROW_TARGET if rows == 1 else ROWS_TARGET,
+    )
+
+
+def bench_cases() -> list[dict]:
+    """The k-pool cases of ``python -m sparse_dsa_ops bench``: the store of 64K pools, the selection of 128 of the
+    8192 pools of a 128K context for 1 and 64 rows."""
+    return [_store_case(1 << 16), _topk_case(1, 8192), _topk_case(64, 8192)]
