@@ -15,6 +15,7 @@ from .ops import (
     gather_index_k,
     gather_k_cache,
     index_logits,
+    index_topk,
     paged_index_logits,
     quant_index,
     quant_k_cache,
@@ -63,7 +64,8 @@ def warmup(
     and FlashMLA's face with or without a sink); ``cache_ops``, ``round_scale`` and ``slot_dtypes`` pick the cache
     kernels.
     ``index_heads`` (with ``index_dim`` and the index-K cache's ``index_page``) adds the indexer's kernels, and
-    ``topk_k`` the top-k kernels of that k. ``workers`` threads build kernels at once.
+    ``topk_k`` the top-k kernels of that k (``index_topk`` runs kernels of both). ``workers`` threads build kernels
+    at once.
     """
     keys = _cuda.attention.warmup_keys(heads, d_nope, d_rope, sm_scale, kv_kinds, fp8_q, topk_length, attn_sink)
     if cache_ops:
@@ -93,6 +95,7 @@ __all__ = [
     "index_logits",
     "paged_index_logits",
     "topk",
+    "index_topk",
     "kpool_store_index_k",
     "kpool_topk",
     "warmup",

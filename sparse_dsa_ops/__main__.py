@@ -137,6 +137,13 @@ def _index_keys(op: str, device: torch.device) -> list:
     return indexer.source_keys(op, argparse.Namespace(**args, target=target()))
 
 
+def _index_topk_keys(tokens: int, keys: int, device: torch.device) -> list:
+    """The kernels of index_topk for the inputs of :func:`_indexer_cases`."""
+    from ._cuda import indexer
+
+    return indexer.index_topk_keys(INDEX_HEADS, INDEX_DIM, "float8_e4m3fn", tokens, keys, INDEX_TOPK, _sms(device))
+
+
 def _topk_keys(rows: int, width: int, k: int, page: int, device: torch.device) -> list:
     """The kernels of topk's plan for ``rows`` rows of ``width`` (to slots of ``page``-token pages, 0: positions)."""
     from ._cuda import selection
@@ -240,10 +247,11 @@ def _cache_and_attention_cases(n_rows: int, tokens: int, topk: int, slots: int) 
 
 INDEX_DIM, INDEX_PAGE = 128, 64
 INDEX_HEADS = 64  # DeepSeek-V3.2's indexer heads
+INDEX_TOPK = 256  # index_topk's k in the check (below every case's key count)
 
 
 def _indexer_cases(n_rows: int, tokens: int, keys: int, batch: int) -> list[Case]:
-    """The indexer's five ops at DeepSeek-V3.2's indexer (64 heads of 128; the cache ops do not depend on heads)."""
+    """The indexer's six ops at DeepSeek-V3.2's indexer (64 heads of 128; the cache ops do not depend on heads)."""
     geo, heads = "deepseek", INDEX_HEADS
     pages = -(-keys // INDEX_PAGE)
 
@@ -289,6 +297,17 @@ def _indexer_cases(n_rows: int, tokens: int, keys: int, batch: int) -> list[Case
         q = fp8(gen, batch, 2, heads, INDEX_DIM)
         return q, cache(gen), torch.randn(batch * 2, heads, generator=gen), lengths, table
 
+    def topk_inputs(gen):
+        # small integers and powers of two: every logit is exact on any device, so the selections match bit for bit
+        def ints(*shape):
+            return torch.randint(-3, 4, shape, generator=gen).float()
+
+        ke = torch.arange(tokens, dtype=torch.int32) + (keys - tokens + 1)  # causal
+        ks = torch.randint(-2, keys // 4, (tokens,), generator=gen, dtype=torch.int32)
+        k_scale = torch.exp2(torch.randint(-4, 2, (keys,), generator=gen).float())
+        q, k = ints(tokens, heads, INDEX_DIM).to(torch.float8_e4m3fn), ints(keys, INDEX_DIM).to(torch.float8_e4m3fn)
+        return q, k, k_scale, ints(tokens, heads), ks, ke, INDEX_TOPK, INDEX_TOPK + 64
+
     def kernels(op):
         return functools.partial(_index_keys, op)
 
@@ -298,6 +317,7 @@ def _indexer_cases(n_rows: int, tokens: int, keys: int, batch: int) -> list[Case
         _case("gather_index_k", geo, lambda g: (cache(g), slot_ids(g), INDEX_DIM), kernels("gather_index_k")),
         _case("index_logits", geo, logits_inputs, kernels("index_logits"), exact=False),
         _case("paged_index_logits", geo, paged_inputs, kernels("paged_index_logits"), exact=False),
+        _case("index_topk", geo, topk_inputs, functools.partial(_index_topk_keys, tokens, keys)),
     ]
 
 

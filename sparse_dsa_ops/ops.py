@@ -1042,10 +1042,10 @@ def index_topk(
     Notes
     -----
     The query tokens run in chunks, each chunk's logits scored into one reused buffer and selected from there, so
-    the memory held beyond the inputs and the output is bounded (on a GPU at most 64 MB, the buffer and top-k's
-    scratch, or one token's row of logits where that is larger), whatever T: a 128K-token prompt runs in one call.
-    The logits are still written and read back once; a kernel that keeps only each token's running candidates and
-    never writes them is future work.
+    the memory held beyond the inputs and the output is bounded whatever T (on a GPU at most 64 MB, the buffer and
+    top-k's scratch; one token at a time where a single row's logits and scratch exceed that): a 128K-token prompt
+    runs in one call. The logits are still written and read back once; a kernel that keeps only each token's
+    running candidates and never writes them is future work.
     """
     return torch.ops.dsa.index_topk(q, k, k_scale, weights, ks, ke, topk, out_width)
 

@@ -31,6 +31,8 @@ def test_schemas_are_exact():
         "Tensor page_table) -> Tensor",
         "topk": "dsa::topk(Tensor logits, Tensor lengths, int k, Tensor? starts=None, Tensor? page_table=None, "
         "Tensor? row_request=None, int page_size=64, int? out_width=None) -> Tensor",
+        "index_topk": "dsa::index_topk(Tensor q, Tensor k, Tensor k_scale, Tensor weights, Tensor ks, Tensor ke, "
+        "int topk, int? out_width=None) -> Tensor",
     }
     assert set(SCHEMAS) == set(expect)
     for name, schema in expect.items():

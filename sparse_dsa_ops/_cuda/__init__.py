@@ -14,7 +14,7 @@ from .attention import (
     sparse_attn_with_max_logits,
 )
 from .compile import TARGETS, kernel, lower_source, pass_configs, program, warmup
-from .indexer import gather_index_k, index_logits, paged_index_logits, quant_index, store_index_k
+from .indexer import gather_index_k, index_logits, index_topk, paged_index_logits, quant_index, store_index_k
 from .k_cache import (
     cache_keys,
     dequant_k_cache,
@@ -56,6 +56,7 @@ __all__ = [
     "index_logits",
     "paged_index_logits",
     "topk",
+    "index_topk",
     "kpool_store_index_k",
     "kpool_topk",
 ]

@@ -6,6 +6,7 @@ caller passes, 2-d queries and weights, and write every output element, so outpu
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -14,7 +15,8 @@ from csrc_tl import index as builders
 
 from ..ops import takes_checked
 from .common import aligned, slot_dtype
-from .compile import kernel, register_builder, target
+from .compile import kernel, register_builder, sm_count, target
+from .selection import TopkPlan, plan_topk, scratch_bytes, select
 
 __all__ = [
     "bench_cases",
@@ -24,6 +26,9 @@ __all__ = [
     "gather_index_k",
     "index_logits",
     "paged_index_logits",
+    "index_topk",
+    "index_topk_rows",
+    "index_topk_keys",
 ]
 
 register_builder(builders.QuantIndexKey, builders.build_quant_index, builders.pass_configs)
@@ -102,6 +107,65 @@ def paged_index_logits(layout, q, cache, weights, lengths, page_table):
     return logits
 
 
+# index_topk: the query tokens run in chunks whose logits (and top-k's scratch) stay within this many bytes, so that a
+# call holds at most 64 MB beyond its inputs and output with the lengths and the odd alignment copy.
+INDEX_TOPK_BYTES = 56 << 20
+ROW_ALIGN = 4  # tokens: chunks of a multiple keep each chunk's slices of ks, ke and weights 16-byte aligned
+
+
+@functools.lru_cache(maxsize=256)
+def index_topk_rows(tokens: int, keys: int, sms: int, budget: int = INDEX_TOPK_BYTES) -> int:
+    """The query tokens of a chunk of ``index_topk`` (all but the last, which has the rest): the most whose logits
+    ``[rows, keys]`` float32 and the scratch of top-k's plan (for a whole chunk and for the last) fit in ``budget``
+    bytes, a multiple of ROW_ALIGN unless fewer or all; 1 where not even one token's do. A function of the shapes
+    alone, so that chunking needs no sync and a captured graph replays the same launches."""
+
+    def held(rows: int) -> int:
+        last = tokens - (-(-tokens // rows) - 1) * rows
+        return 4 * rows * keys + max(scratch_bytes(rows, keys, sms), scratch_bytes(last, keys, sms))
+
+    def fits(rows: int) -> bool:
+        whole = rows == tokens or rows < ROW_ALIGN or rows % ROW_ALIGN == 0
+        return whole and held(rows) <= budget
+
+    rows = min(tokens, max(1, budget // (4 * keys)))
+    while rows > 1 and not fits(rows):
+        rows -= 1
+    return rows
+
+
+def index_topk(q, k, k_scale, weights, ks, ke, topk, out_width=None):
+    tokens, heads, dim = q.shape
+    num_keys = k.shape[0]
+    out = torch.empty(tokens, out_width or topk, dtype=torch.int32, device=q.device)
+    if not tokens:
+        return out
+    if not num_keys:
+        return out.fill_(-1)  # no token has a candidate
+    rows = index_topk_rows(tokens, num_keys, sm_count(q.device), INDEX_TOPK_BYTES)
+    logits = torch.empty(rows, num_keys, dtype=torch.float32, device=q.device)  # every chunk's, in turn
+    lengths = ke - ks  # [T] int32, as the composition computes them
+    score = kernel(builders.index_logits_key(dim, heads, _Q_DTYPES[q.dtype], target()))
+    k, k_scale = aligned(k), aligned(k_scale)
+    for t0 in range(0, tokens, rows):
+        t1 = min(t0 + rows, tokens)
+        chunk = logits[: t1 - t0]  # [t, N], contiguous
+        score(aligned(q[t0:t1]), k, k_scale, aligned(weights[t0:t1]), aligned(ks[t0:t1]), aligned(ke[t0:t1]), chunk)
+        select(out[t0:t1], chunk, lengths[t0:t1], topk, ks[t0:t1])
+    return out
+
+
+def index_topk_keys(heads: int, dim: int, q_dtype: str, tokens: int, keys: int, k: int, sms: int) -> list:
+    """The kernels ``index_topk`` runs for ``tokens`` queries of ``heads`` x ``dim`` against ``keys`` keys on a GPU
+    of ``sms`` SMs: the logits kernel, and top-k's plans for a whole chunk and for the last."""
+    rows = index_topk_rows(tokens, keys, sms, INDEX_TOPK_BYTES)
+    last = tokens - (-(-tokens // rows) - 1) * rows
+    found = [builders.index_logits_key(dim, heads, q_dtype, target())]
+    for r in (rows, last):
+        found += plan_topk(r, keys, sms).keys(k, 0, True, False)
+    return list(dict.fromkeys(found))
+
+
 def warmup_keys(heads=(), dim=128, page=64, round_scale=(False,), slot_dtypes=("int32",)) -> list:
     """The indexer kernels for ``heads`` (an int or several) at head dim ``dim`` and cache pages of ``page``
     tokens: the quantizers, the gather, and both logits kernels for FP8 queries."""
@@ -120,13 +184,16 @@ def warmup_keys(heads=(), dim=128, page=64, round_scale=(False,), slot_dtypes=("
 
 
 # the ops ``python -m sparse_dsa_ops source`` prints this family's kernels of
-SOURCE_OPS = ("quant_index", "store_index_k", "gather_index_k", "index_logits", "paged_index_logits")
+SOURCE_OPS = ("quant_index", "store_index_k", "gather_index_k", "index_logits", "paged_index_logits", "index_topk")
 
 
 def source_keys(op: str, args) -> list:
     """The kernel of ``op`` for the command line's ``args`` (``heads`` indexer heads, ``index_dim``, ``page``,
-    ``q``, ``round_scale``, ``slot_dtype``, ``target``)."""
+    ``q``, ``round_scale``, ``slot_dtype``, ``target``; ``k`` for ``index_topk``)."""
     dim, page, q_dtype = args.index_dim, args.page, "float8_e4m3fn" if args.q == "fp8" else "bfloat16"
+    if op == "index_topk":  # the logits kernel, then top-k's two schemes with starts
+        schemes = TopkPlan(1, 0).keys(args.k, 0, True, False) + TopkPlan(2, 0).keys(args.k, 0, True, False)
+        return [builders.index_logits_key(dim, args.heads, q_dtype, args.target), *schemes]
     return [
         {
             "quant_index": lambda: builders.QuantIndexKey(dim, 0, args.round_scale),

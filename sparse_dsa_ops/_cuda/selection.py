@@ -15,7 +15,7 @@ from ..ops import takes_checked
 from .common import aligned
 from .compile import kernel, register_builder, sm_count
 
-__all__ = ["bench_cases", "warmup_keys", "plan_topk", "TopkPlan", "topk"]
+__all__ = ["bench_cases", "warmup_keys", "plan_topk", "scratch_bytes", "select", "TopkPlan", "topk"]
 
 register_builder(builders.TopkKey, builders.build_topk_rows, builders.pass_configs)
 register_builder(builders.TopkSplitKey, builders.build_topk_split, builders.pass_configs)
@@ -52,20 +52,27 @@ def plan_topk(rows: int, width: int, sms: int) -> TopkPlan:
 
 @takes_checked
 def topk(args, logits, lengths, k, starts=None, page_table=None, row_request=None, page_size=64, out_width=None):
+    out = torch.empty(logits.shape[0], args.width, dtype=torch.int32, device=logits.device)
+    select(out, logits, lengths, k, starts, page_table, row_request, page_size if args.paged else 0)
+    return out
+
+
+def select(out, logits, lengths, k, starts=None, page_table=None, row_request=None, page=0) -> None:
+    """``topk`` into ``out [R, W']`` int32, contiguous (a slice of rows of a bigger output too): every element
+    written. ``page``: the page size of ``page_table``, 0 without one."""
     rows, width = logits.shape
-    out = torch.empty(rows, args.width, dtype=torch.int32, device=logits.device)
     if not rows:
-        return out
+        return
     if not width:
-        return out.fill_(-1)
-    page = page_size if args.paged else 0
+        out.fill_(-1)
+        return
     plan = plan_topk(rows, width, sm_count(logits.device))
     keys = plan.keys(k, page, starts is not None, row_request is not None)
     lengths = aligned(lengths)
     optional = [aligned(t) for t in (starts, page_table, row_request) if t is not None]
     if plan.chunks == 1:
         kernel(keys[0])(logits, lengths, *optional, out)
-        return out
+        return
     dev = logits.device
     counters = torch.zeros(rows, builders.COUNTERS, dtype=torch.int32, device=dev)
     row_state = torch.empty(rows, builders.ROW_STATE, dtype=torch.int32, device=dev)
@@ -73,7 +80,14 @@ def topk(args, logits, lengths, k, starts=None, page_table=None, row_request=Non
     cand_count = torch.empty(rows, plan.chunks, dtype=torch.int32, device=dev)
     kernel(keys[0])(logits, lengths, *optional[: 1 if starts is not None else 0], counters, row_state, cand)
     kernel(keys[1])(logits, lengths, *optional, counters, row_state, cand, cand_count, out)
-    return out
+
+
+def scratch_bytes(rows: int, width: int, sms: int) -> int:
+    """The device scratch one ``topk`` call on ``rows`` rows of ``width`` allocates (on ``sms`` SMs), in bytes."""
+    plan = plan_topk(rows, width, sms)
+    if plan.chunks == 1:
+        return 0
+    return 4 * rows * (builders.COUNTERS + builders.ROW_STATE + plan.chunks * (2 * plan.chunk + 1))
 
 
 def warmup_keys(k=None, page_size=64, starts=(False, True), paged=(False, True), row_request=(False, True)) -> list:
