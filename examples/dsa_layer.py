@@ -1,7 +1,8 @@
 """A whole DeepSeek Sparse Attention (DSA) layer in plain model code on the ``sparse_dsa_ops`` ops.
 
-The layer is DeepSeek-V3.2's attention with random weights (and GLM-5.3-Flash's, whose latent rows have no RoPE
-tail). Per token:
+The layer is the attention of DeepSeek-V3.2, GLM-5 or GLM-5.3-Flash at their public configs, with random weights.
+GLM-5.3-Flash has no RoPE (its latent rows have no tail, its indexer rotates nothing) and a k-pool indexer: it scores
+pools of 16 tokens. Per token:
 
 1. **Projections** (plain torch): the query latent ``rms_norm(x Wq_a)``; MLA's query heads from it, their NoPE part
    absorbed through ``W_UK`` into the C-wide latent and their RoPE part rotated (pairs of adjacent dims); the
@@ -17,9 +18,16 @@ tail). Per token:
    the batch's own keys with ``index_logits`` (token i of a request sees that request's first i + 1 keys); decode
    scores each request's pages with ``paged_index_logits``.
 4. **Selection**: ``topk`` keeps the ``min(2048, index_topk)`` best positions of each token and maps them through
-   the page table to pool slots, padded with -1 to a multiple of 64.
+   the page table to pool slots, padded with -1 to a multiple of 64. With a k-pool indexer (GLM-5.3-Flash),
+   ``kpool_store_index_k`` writes one index-K row per complete pool (a per-channel softmax-gated average of its
+   tokens' keys, staged in bfloat16 until the pool's last token arrives), every token scores its request's pools with
+   ``paged_index_logits``, and ``kpool_topk`` keeps the best 128 pools, expanded to their tokens, plus the tokens of
+   the incomplete pool: 2063 entries, padded to 2112.
 5. **Attention**: ``sparse_attn`` over those slots of the packed pool gives the C-wide latent output, which ``W_UV``
-   and the output projection turn back into the hidden width.
+   and the output projection turn back into the hidden width. Its ``sm_scale`` is the model's
+   (:attr:`DSAConfig.sm_scale`): ``qk_head_dim ** -0.5`` of the un-absorbed heads, times YaRN's ``mscale ** 2`` where
+   the config has YaRN (DeepSeek-V3.2: 0.1352); the RoPE frequencies here are YaRN's unscaled ones, which the ops
+   never see.
 
 :class:`DSALayer` holds the weights and runs :meth:`~DSALayer.prefill` and :meth:`~DSALayer.decode`;
 :class:`DecodeStep` compiles ``decode`` with ``torch.compile(fullgraph=True)`` and, on a GPU, replays it from a CUDA
@@ -50,6 +58,8 @@ __all__ = [
     "DSAConfig",
     "DEEPSEEK_V32",
     "DEEPSEEK_V32_TP8",
+    "GLM_5",
+    "GLM_5_TP8",
     "GLM_53_FLASH",
     "GLM_53_FLASH_TP8",
     "CONFIGS",
@@ -104,27 +114,40 @@ class DSAConfig:
     kv_lora: int = 512  # C, the latent width (d_nope = d_v of the packed rows)
     index_heads: int = 64  # Hi
     index_dim: int = 128  # D
-    index_rope: int = 64  # the indexer rotates the first index_rope dims of its q and k
+    index_rope: int = 64  # the indexer rotates the first index_rope dims of its q and k (as two halves); 0: no RoPE
     index_topk: int = 2048
+    kpool: int = 1  # the indexer scores pools of kpool consecutive tokens (GLM-5.3-Flash: 16); 1: single tokens
+    index_hadamard: bool = True  # rotate the indexer's q and k through a Hadamard transform before FP8 quantization
     page: int = 64
     rope_theta: float = 10000.0
+    rope_factor: float = 1.0  # YaRN's factor (1: no YaRN)
+    mscale_all_dim: float = 0.0  # YaRN's mscale_all_dim: the attention scale grows by mscale ** 2
     index_round_scale: bool = True  # power-of-two indexer scales (DeepSeek-V3.2's ue8m0 scale format)
     kv_round_scale: bool = False
 
     @property
     def topk(self) -> int:
-        """k of the selection: ``min(2048, index_topk)``."""
+        """The tokens selected from complete pools (or single tokens): ``min(2048, index_topk)``."""
         return min(MAX_TOPK, self.index_topk)
 
     @property
+    def pool_topk(self) -> int:
+        """k of the selection: pools (of ``kpool`` tokens, or single tokens), ``topk / kpool``."""
+        return self.topk // self.kpool
+
+    @property
     def topk_width(self) -> int:
-        """K: the selection's width as sparse_attn reads it, k rounded up to a multiple of 64 (padded with -1)."""
-        return -(-self.topk // TOPK_MULTIPLE) * TOPK_MULTIPLE
+        """K: the selection's width as sparse_attn reads it: the selected pools' tokens plus the incomplete pool's
+        ``kpool - 1`` at most (2063 for GLM-5.3-Flash), rounded up to a multiple of 64 (padded with -1)."""
+        return -(-(self.pool_topk * self.kpool + self.kpool - 1) // TOPK_MULTIPLE) * TOPK_MULTIPLE
 
     @property
     def sm_scale(self) -> float:
-        """The softmax scale of the un-absorbed query/key heads, ``(qk_nope + d_rope)**-0.5``."""
-        return float((self.qk_nope + self.d_rope) ** -0.5)
+        """The model's softmax scale: ``qk_head_dim ** -0.5`` of the un-absorbed heads (``qk_nope + d_rope``), times
+        YaRN's ``mscale ** 2`` with ``mscale = 0.1 * mscale_all_dim * ln(rope_factor) + 1`` where the config has
+        YaRN (DeepSeek-V3.2: 0.1352). Absorption does not change it."""
+        mscale = 0.1 * self.mscale_all_dim * math.log(self.rope_factor) + 1.0 if self.rope_factor > 1 else 1.0
+        return float((self.qk_nope + self.d_rope) ** -0.5 * mscale**2)
 
     @property
     def index_weight_scale(self) -> float:
@@ -136,16 +159,42 @@ class DSAConfig:
         return KCacheLayout(self.kv_lora, self.d_rope)
 
 
-DEEPSEEK_V32 = DSAConfig("deepseek-v3.2", hidden=7168, heads=128, q_lora=1536, qk_nope=128, v_head=128, d_rope=64)
-# GLM-5.3-Flash: 64 heads, 512 + 0 latent rows, 32 indexer heads; the dense projection sizes follow GLM-5's.
+# The public configs. DeepSeek-V3.2: YaRN (factor 40, mscale_all_dim 1), 64 indexer heads with RoPE on 64 dims.
+DEEPSEEK_V32 = DSAConfig(
+    "deepseek-v3.2",
+    hidden=7168,
+    heads=128,
+    q_lora=1536,
+    qk_nope=128,
+    v_head=128,
+    d_rope=64,
+    rope_factor=40.0,
+    mscale_all_dim=1.0,
+)
+# GLM-5: 64 heads of 192 + 64, values of 256, 32 indexer heads with RoPE on 64 dims; no YaRN.
+GLM_5 = DSAConfig("glm-5", hidden=6144, heads=64, q_lora=2048, qk_nope=192, v_head=256, d_rope=64, index_heads=32)
+# GLM-5.3-Flash: no RoPE anywhere (512 + 0 latent rows, heads of 256), and a k-pool indexer: 32 heads score pools of
+# 16 tokens (their keys a gated average, quantized as pooled: a Hadamard rotation would not commute with the
+# per-channel gate), 128 pools selected, plus the incomplete pool's tokens.
 GLM_53_FLASH = DSAConfig(
-    "glm-5.3-flash", hidden=6144, heads=64, q_lora=2048, qk_nope=192, v_head=256, d_rope=0, index_heads=32
+    "glm-5.3-flash",
+    hidden=4096,
+    heads=64,
+    q_lora=1536,
+    qk_nope=256,
+    v_head=256,
+    d_rope=0,
+    index_heads=32,
+    index_rope=0,
+    kpool=16,
+    index_hadamard=False,
 )
 # One rank of tensor parallelism 8: the attention heads are split; the indexer is replicated, as in DeepSeek-V3.2's
 # reference model, because every rank must select the same rows.
 DEEPSEEK_V32_TP8 = replace(DEEPSEEK_V32, name="deepseek-v3.2-tp8", heads=16)
+GLM_5_TP8 = replace(GLM_5, name="glm-5-tp8", heads=8)
 GLM_53_FLASH_TP8 = replace(GLM_53_FLASH, name="glm-5.3-flash-tp8", heads=8)
-CONFIGS = {c.name: c for c in (DEEPSEEK_V32, DEEPSEEK_V32_TP8, GLM_53_FLASH, GLM_53_FLASH_TP8)}
+CONFIGS = {c.name: c for c in (DEEPSEEK_V32, DEEPSEEK_V32_TP8, GLM_5, GLM_5_TP8, GLM_53_FLASH, GLM_53_FLASH_TP8)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -206,6 +255,7 @@ class Projection(NamedTuple):
     index_q: torch.Tensor  # [T, Hi, D] bfloat16: the indexer's rotated query heads
     index_k: torch.Tensor  # [T, D] bfloat16: the indexer's rotated key
     index_w: torch.Tensor  # [T, Hi] float32: the indexer's raw head weights x W_w
+    index_gate: torch.Tensor | None = None  # [T, D] bfloat16: the k-pool gate logits x W_gate (None: kpool 1)
 
 
 def cat_projections(parts: Sequence[Projection]) -> Projection:
@@ -250,12 +300,16 @@ class PagedCache:
 
     ``kv``: ``[P, page, row_bytes]`` uint8, the packed FP8 latent rows; ``index_k``: ``[P, page * (D + 4)]`` uint8,
     the FP8 indexer keys and their scales; ``page_table``: ``[B, max_pages]`` int32, request b's pages in order.
+    With a k-pool indexer ``index_k`` holds one row per complete pool, pool p of a request at the slot of its position
+    p (the first ``1 / kpool`` of its pages), and ``index_stage``: ``[P, page, 2, D]`` bfloat16 holds each token's
+    index key and gate logits at the token's slot, from which a pool is compressed when its last token arrives.
     """
 
     kv: torch.Tensor
     index_k: torch.Tensor
     page_table: torch.Tensor
     page: int
+    index_stage: torch.Tensor | None = None
 
     @classmethod
     def allocate(
@@ -281,7 +335,11 @@ class PagedCache:
         fill = 0xFF if poison else 0
         kv = torch.full((pages, config.page, config.layout.row_bytes), fill, dtype=torch.uint8, device=device)
         index_k = torch.full((pages, config.page * (config.index_dim + 4)), fill, dtype=torch.uint8, device=device)
-        return cls(kv, index_k, table, config.page)
+        stage = None
+        if config.kpool > 1:
+            shape = (pages, config.page, 2, config.index_dim)
+            stage = torch.full(shape, math.nan if poison else 0.0, dtype=torch.bfloat16, device=device)
+        return cls(kv, index_k, table, config.page, stage)
 
     def slots(self, request: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Slots ``[T]`` int64 of the tokens at ``positions`` of ``request`` (both ``[T]``)."""
@@ -306,8 +364,10 @@ class DSALayer(torch.nn.Module):
     def __init__(self, config: DSAConfig, device: torch.device | str = "cpu", seed: int = 0) -> None:
         super().__init__()
         c = self.config = config
-        if c.d_rope % 2 or c.index_rope % 2 or not 0 < c.index_rope <= c.index_dim:
-            raise ValueError(f"{c.name}: RoPE widths must be even and index_rope in (0, index_dim], got {c}")
+        if c.d_rope % 2 or c.index_rope % 2 or not 0 <= c.index_rope <= c.index_dim:
+            raise ValueError(f"{c.name}: RoPE widths must be even and index_rope in [0, index_dim], got {c}")
+        if c.kpool < 1 or c.topk % c.kpool:
+            raise ValueError(f"{c.name}: kpool must be >= 1 and divide the top-k {c.topk}, got {c.kpool}")
         gen = torch.Generator().manual_seed(seed)
 
         def weight(*shape: int, fan_in: int) -> torch.Tensor:
@@ -331,10 +391,13 @@ class DSALayer(torch.nn.Module):
             "ki_norm_b": (0.1 * torch.randn(c.index_dim, generator=gen)).to(torch.bfloat16),
             "wi_w": weight(c.index_heads, c.hidden, fan_in=c.hidden),  # [Hi, hidden]
             "hadamard": _hadamard(c.index_dim),  # [D, D] float32
-            "index_freq": _inv_freq(c.index_rope, c.rope_theta),  # [index_rope / 2]
+            "index_freq": _inv_freq(max(c.index_rope, 2), c.rope_theta),  # [index_rope / 2] (unused without RoPE)
         }
         if c.d_rope:
             buffers["mla_freq"] = _inv_freq(c.d_rope, c.rope_theta)  # [R / 2]
+        if c.kpool > 1:
+            buffers["wi_gate"] = weight(c.index_dim, c.hidden, fan_in=c.hidden)  # [D, hidden]: the pool gate
+            buffers["ape"] = (0.5 * torch.randn(c.kpool, c.index_dim, generator=gen)).to(torch.bfloat16)  # [kpool, D]
         for name, value in buffers.items():
             self.register_buffer(name, value.to(device), persistent=False)
 
@@ -357,16 +420,19 @@ class DSALayer(torch.nn.Module):
             k_pe = _rope_pairs(kv[:, c.kv_lora :], cos, sin)  # [T, R]
 
         r = c.index_rope
-        cos, sin = _rope_angles(positions, self.index_freq)  # [T, r/2]
         qi = F.linear(q_lat, self.wi_q).view(t, c.index_heads, c.index_dim)  # [T, Hi, D]
-        qi = torch.cat((_rope_halves(qi[..., :r], cos.unsqueeze(1), sin.unsqueeze(1)), qi[..., r:]), dim=-1)
         ki = _layer_norm(F.linear(x, self.wi_k), self.ki_norm_w, self.ki_norm_b)  # [T, D]
-        ki = torch.cat((_rope_halves(ki[:, :r], cos, sin), ki[:, r:]), dim=-1)
-        # the Hadamard rotation spreads outlier dims over the row before the per-row FP8 scale is taken
-        qi = (qi.float() @ self.hadamard).to(torch.bfloat16)  # [T, Hi, D]
-        ki = (ki.float() @ self.hadamard).to(torch.bfloat16)  # [T, D]
+        if r:
+            cos, sin = _rope_angles(positions, self.index_freq)  # [T, r/2]
+            qi = torch.cat((_rope_halves(qi[..., :r], cos.unsqueeze(1), sin.unsqueeze(1)), qi[..., r:]), dim=-1)
+            ki = torch.cat((_rope_halves(ki[:, :r], cos, sin), ki[:, r:]), dim=-1)
+        if c.index_hadamard:
+            # the Hadamard rotation spreads outlier dims over the row before the per-row FP8 scale is taken
+            qi = (qi.float() @ self.hadamard).to(torch.bfloat16)  # [T, Hi, D]
+            ki = (ki.float() @ self.hadamard).to(torch.bfloat16)  # [T, D]
         index_w = F.linear(x, self.wi_w).float()  # [T, Hi]
-        return Projection(q_latent.contiguous(), kv_c, k_pe, qi, ki, index_w)
+        gate = F.linear(x, self.wi_gate) if c.kpool > 1 else None  # [T, D] bfloat16
+        return Projection(q_latent.contiguous(), kv_c, k_pe, qi, ki, index_w, gate)
 
     def index_query(self, proj: Projection) -> tuple[torch.Tensor, torch.Tensor]:
         """The indexer's FP8 queries ``[T, Hi, D]`` and head weights ``[T, Hi]`` float32, q's scale folded in."""
@@ -384,6 +450,48 @@ class DSALayer(torch.nn.Module):
         dsa.store_k_cache(proj.kv_c, proj.k_pe, kv, slots, c.kv_round_scale)
         dsa.store_index_k(proj.index_k, index_k, slots, c.index_round_scale)
 
+    def store_pools(
+        self,
+        proj: Projection,
+        request: torch.Tensor,
+        positions: torch.Tensor,
+        index_k: torch.Tensor,
+        index_stage: torch.Tensor,
+        page_table: torch.Tensor,
+    ) -> None:
+        """K-pool indexer: stage the tokens' index keys and gates at their slots, then compress and store the pool
+        that each token completes (``kpool_store_index_k``; -1 for a token that completes none). Every token is a
+        pool's possible last one, so prefill and decode share this path and no host sync picks the pools."""
+        c = self.config
+        stage = index_stage.view(-1, 2, c.index_dim)  # [S, 2, D]
+        stage[slot_of(page_table, request, positions, c.page)] = torch.stack((proj.index_k, proj.index_gate), dim=1)
+        window = positions.long().unsqueeze(-1) - (c.kpool - 1) + torch.arange(c.kpool, device=positions.device)
+        members = slot_of(page_table, request.unsqueeze(-1).expand_as(window), window.clamp_min(0), c.page)
+        staged = stage[members]  # [T, kpool, 2, D]: the kpool tokens ending at each token
+        complete = (positions + 1) % c.kpool == 0  # [T]
+        loc = torch.where(complete, slot_of(page_table, request, positions // c.kpool, c.page), -1)  # [T]
+        dsa.kpool_store_index_k(staged[:, :, 0], staged[:, :, 1], self.ape, index_k, loc, c.index_round_scale)
+
+    def select(
+        self,
+        q8: torch.Tensor,
+        weights: torch.Tensor,
+        lengths: torch.Tensor,
+        index_k: torch.Tensor,
+        table: torch.Tensor,
+    ) -> torch.Tensor:
+        """The selected slots ``[T, K]`` int32 of tokens that see ``lengths [T]`` positions of the requests whose
+        page-table rows are ``table [T, max_pages]`` (one row per token): the indexer's logits over the paged
+        index-K cache, then ``topk`` (single tokens) or ``kpool_topk`` (pools, expanded, and the tail)."""
+        c = self.config
+        seen = torch.div(lengths, c.kpool, rounding_mode="floor")  # [T] complete pools (tokens when kpool is 1)
+        logits = dsa.paged_index_logits(q8.unsqueeze(1), index_k, weights, seen, table)  # [T, W]
+        if c.kpool == 1:
+            return dsa.topk(logits, lengths, c.topk, page_table=table, page_size=c.page, out_width=c.topk_width)
+        return dsa.kpool_topk(
+            logits, lengths, c.pool_topk, c.kpool, page_table=table, page_size=c.page, out_width=c.topk_width
+        )
+
     # -- forward passes ---------------------------------------------------------------------
 
     def prefill(self, x: torch.Tensor, batch: PrefillBatch, cache: PagedCache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -395,6 +503,14 @@ class DSALayer(torch.nn.Module):
         c = self.config
         proj = self.project(x, batch.positions)
         slots = cache.slots(batch.request, batch.positions)  # [T]
+        if c.kpool > 1:  # pools: each token scores its request's pools over the paged cache of pool rows
+            dsa.store_k_cache(proj.kv_c, proj.k_pe, cache.kv, slots, c.kv_round_scale)
+            self.store_pools(proj, batch.request, batch.positions, cache.index_k, cache.index_stage, cache.page_table)
+            q8, weights = self.index_query(proj)  # [T, Hi, D], [T, Hi]
+            table = cache.page_table[batch.request.long()]  # [T, max_pages]: each token's request's pages
+            indices = self.select(q8, weights, batch.lengths, cache.index_k, table)  # [T, K] slots
+            o_latent, _ = dsa.sparse_attn(proj.q, cache.kv, indices, c.sm_scale, c.kv_lora)  # [T, H, C]
+            return self.output(o_latent), indices
         self.store(proj, slots, cache.kv, cache.index_k)
         q8, weights = self.index_query(proj)  # [T, Hi, D], [T, Hi]
         k8, k_scale = dsa.gather_index_k(cache.index_k, slots, c.index_dim)  # [T, D], [T]: the batch's keys
@@ -412,10 +528,12 @@ class DSALayer(torch.nn.Module):
         kv: torch.Tensor,
         index_k: torch.Tensor,
         page_table: torch.Tensor,
+        index_stage: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One new token per request: ``x [B, hidden]`` bfloat16 at ``positions [B]`` int32 of its request.
 
-        The caches (``kv``, ``index_k``, ``page_table`` as in :class:`PagedCache`) are arguments, not attributes,
+        The caches (``kv``, ``index_k``, ``page_table``, and ``index_stage`` with a k-pool indexer, as in
+        :class:`PagedCache`) are arguments, not attributes,
         so that ``torch.compile`` sees their in-place writes. Writes the tokens, then each token attends to its
         request's positions ``0 .. positions[b]``. Returns ``y [B, hidden]`` bfloat16 and the selected slots
         ``[B, K]`` int32. Free of host syncs: it can be captured in a CUDA graph.
@@ -423,13 +541,15 @@ class DSALayer(torch.nn.Module):
         c = self.config
         proj = self.project(x, positions)
         request = torch.arange(x.shape[0], device=x.device)  # [B]
-        self.store(proj, slot_of(page_table, request, positions, c.page), kv, index_k)
+        slots = slot_of(page_table, request, positions, c.page)  # [B]
+        if c.kpool > 1:
+            dsa.store_k_cache(proj.kv_c, proj.k_pe, kv, slots, c.kv_round_scale)
+            self.store_pools(proj, request, positions, index_k, index_stage, page_table)
+        else:
+            self.store(proj, slots, kv, index_k)
         q8, weights = self.index_query(proj)  # [B, Hi, D], [B, Hi]
         lengths = positions + 1  # [B] int32: the new token sees itself
-        logits = dsa.paged_index_logits(q8.unsqueeze(1), index_k, weights, lengths, page_table)  # [B, W]
-        indices = dsa.topk(
-            logits, lengths, c.topk, page_table=page_table, page_size=c.page, out_width=c.topk_width
-        )  # [B, K] slots
+        indices = self.select(q8, weights, lengths, index_k, page_table)  # [B, K] slots
         o_latent, _ = dsa.sparse_attn(proj.q, kv, indices, c.sm_scale, c.kv_lora)  # [B, H, C]
         return self.output(o_latent), indices
 
@@ -474,7 +594,7 @@ class DecodeStep:
 
     def _run(self) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cache
-        return self.compiled(self.x, self.positions, c.kv, c.index_k, c.page_table)
+        return self.compiled(self.x, self.positions, c.kv, c.index_k, c.page_table, c.index_stage)
 
     def _capture(self) -> None:
         # Warm-up runs write the current tokens into the caches; the replay that follows writes the same bytes.
@@ -535,6 +655,66 @@ def dequantized_latent_rows(kv_c: torch.Tensor, k_pe: torch.Tensor | None, round
     return rows.float()
 
 
+def _twin_pool_keys(layer: DSALayer, proj: Projection) -> torch.Tensor:
+    """The keys ``[n // kpool, D]`` bfloat16 of the complete pools of one request's tokens, as the model computes
+    them: per channel, the softmax over the pool's tokens of gate + ape (float32, rounded to bfloat16), times the
+    tokens' keys (bfloat16 products), summed."""
+    c = layer.config
+    pools = proj.index_k.shape[0] // c.kpool
+    keys = proj.index_k[: pools * c.kpool].view(pools, c.kpool, c.index_dim)  # [n / kpool, kpool, D]
+    gate = proj.index_gate[: pools * c.kpool].view(pools, c.kpool, c.index_dim)
+    weights = (gate.float() + layer.ape.float()).softmax(dim=1).to(torch.bfloat16)  # [n / kpool, kpool, D]
+    return (weights * keys).sum(dim=1)  # [n / kpool, D]
+
+
+def _twin_token_selection(c: DSAConfig, logits: torch.Tensor, qs: torch.Tensor, n: int) -> tuple:
+    """Per-token selection of queries ``qs [q]`` from their logits ``[q, n]``: the k best in the order (logit
+    descending, position ascending) that ``topk`` keeps. Returns positions ``[q, K]`` (ascending, then -1), the logits
+    with -inf past each query, and the selected mask ``[q, n]``."""
+    device = logits.device
+    column = torch.arange(n, device=device)  # [n]
+    take = min(c.topk, n)
+    logits = torch.where(column <= qs.unsqueeze(-1), logits, -math.inf)  # [q, n]
+    logits = torch.where(logits == 0, 0.0, logits)  # -0 ranks equal to +0
+    best = torch.sort(logits, dim=1, descending=True, stable=True).indices[:, :take]  # [q, k]: ties, lower first
+    chosen = torch.arange(take, device=device) < (qs + 1).unsqueeze(-1)  # [q, k]
+    picked = torch.where(chosen, best, n).sort(dim=1).values  # [q, k] ascending, unchosen last
+    padded = torch.full((qs.shape[0], c.topk_width), -1, dtype=torch.int64, device=device)
+    padded[:, :take] = torch.where(chosen, picked, -1)
+    selected = torch.zeros(qs.shape[0], n + 1, dtype=torch.bool, device=device)  # column n: not chosen
+    selected = selected.scatter_(1, torch.where(chosen, best, n), True)[:, :n]  # [q, n]
+    return padded, logits, selected
+
+
+def _twin_pool_selection(c: DSAConfig, pool_logits: torch.Tensor, qs: torch.Tensor, n: int) -> tuple:
+    """K-pool selection of queries ``qs [q]`` from their pool logits ``[q, n / kpool]``: query i sees
+    ``(qs[i] + 1) // kpool`` complete pools; the best ``pool_topk`` (ties: lower pool) give their tokens, and the
+    tokens of its incomplete pool follow. Returns positions ``[q, K]``, the token logits ``[q, n]`` (a token's pool's
+    logit, +inf for the tail, which is always selected, -inf elsewhere) and the selected mask ``[q, n]``."""
+    device, kp = pool_logits.device, c.kpool
+    pools = pool_logits.shape[1]
+    complete = ((qs + 1) // kp).unsqueeze(-1)  # [q, 1] pools each query sees
+    pool_logits = torch.where(torch.arange(pools, device=device) < complete, pool_logits, -math.inf)
+    pool_logits = torch.where(pool_logits == 0, 0.0, pool_logits)  # -0 ranks equal to +0
+    take = min(c.pool_topk, pools)
+    best = torch.sort(pool_logits, dim=1, descending=True, stable=True).indices[:, :take]  # [q, k]
+    chosen = torch.arange(take, device=device) < complete  # [q, k]
+    picked = torch.zeros(qs.shape[0], pools + 1, dtype=torch.bool, device=device)  # column pools: not chosen
+    picked = picked.scatter_(1, torch.where(chosen, best, pools), True)  # [q, pools + 1]
+    picked[:, pools] = False  # where the unchosen entries landed
+    column = torch.arange(n, device=device)  # [n]
+    pool_of = torch.where(column < pools * kp, column // kp, pools)  # [n]: a token's pool (pools: none)
+    tail = (column >= complete * kp) & (column <= qs.unsqueeze(-1))  # [q, n]
+    selected = picked[:, pool_of] | tail  # [q, n]
+    extended = torch.cat((pool_logits, torch.full_like(pool_logits[:, :1], -math.inf)), dim=1)  # [q, pools + 1]
+    logits = torch.where(tail, math.inf, extended[:, pool_of])  # [q, n]
+    ordered = torch.where(selected, column, n).sort(dim=1).values  # [q, n] ascending, unselected last
+    padded = torch.full((qs.shape[0], c.topk_width), -1, dtype=torch.int64, device=device)
+    width = min(n, c.topk_width)
+    padded[:, :width] = torch.where(ordered[:, :width] < n, ordered[:, :width], -1)
+    return padded, logits, selected
+
+
 def dense_reference(
     layer: DSALayer, proj: Projection, queries: torch.Tensor, attend_to: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -565,28 +745,21 @@ def dense_reference(
     """
     c = layer.config
     n = proj.kv_c.shape[0]
-    k8, k_scale = quantize_index_rows(proj.index_k, c.index_round_scale)  # [n, D], [n]
+    if c.kpool > 1:  # the index keys are those of the complete pools
+        k8, k_scale = quantize_index_rows(_twin_pool_keys(layer, proj), c.index_round_scale)  # [n / kpool, D]
+    else:
+        k8, k_scale = quantize_index_rows(proj.index_k, c.index_round_scale)  # [n, D], [n]
     rows = dequantized_latent_rows(proj.kv_c, proj.k_pe, c.kv_round_scale)  # [n, C + R]
-    column = torch.arange(n, device=rows.device)  # [n]
-    take = min(c.topk, n)
     chunk = max(1, DENSE_CHUNK_BYTES // (8 * n * max(c.heads, c.index_heads)))
     positions, logits_out, y = [], [], []
     for q0 in range(0, queries.shape[0], chunk):
         qs = queries[q0 : q0 + chunk].long()  # [q]
         q8, q_scale = quantize_index_rows(proj.index_q[qs], c.index_round_scale)  # [q, Hi, D], [q, Hi]
         weights = proj.index_w[qs] * q_scale * c.index_weight_scale  # [q, Hi]
-        scores = torch.einsum("qhd,nd->qhn", q8, k8).relu()  # [q, Hi, n]
-        logits = torch.einsum("qhn,qh->qn", scores, weights) * k_scale  # [q, n]
-        visible = column <= qs.unsqueeze(-1)  # [q, n]
-        logits = torch.where(visible, logits, -math.inf)
-        logits = torch.where(logits == 0, 0.0, logits)  # -0 ranks equal to +0
-        best = torch.sort(logits, dim=1, descending=True, stable=True).indices[:, :take]  # [q, k]: ties, lower first
-        chosen = torch.arange(take, device=rows.device) < (qs + 1).unsqueeze(-1)  # [q, k]
-        picked = torch.where(chosen, best, n).sort(dim=1).values  # [q, k] ascending, unchosen last
-        padded = torch.full((qs.shape[0], c.topk_width), -1, dtype=torch.int64, device=rows.device)
-        padded[:, :take] = torch.where(chosen, picked, -1)
-        selected = torch.zeros(qs.shape[0], n + 1, dtype=torch.bool, device=rows.device)  # column n: not chosen
-        selected = selected.scatter_(1, torch.where(chosen, best, n), True)[:, :n]  # [q, n]
+        scores = torch.einsum("qhd,nd->qhn", q8, k8).relu()  # [q, Hi, n] (or [q, Hi, n / kpool] pools)
+        logits = torch.einsum("qhn,qh->qn", scores, weights) * k_scale  # [q, n] (or [q, n / kpool])
+        select = _twin_pool_selection if c.kpool > 1 else _twin_token_selection
+        padded, logits, selected = select(c, logits, qs, n)  # [q, K], [q, n], [q, n]
         if attend_to is not None:
             given = attend_to[q0 : q0 + chunk].long()  # [q, K]
             given = torch.where((given >= 0) & (given < n), given, n)
@@ -619,22 +792,15 @@ def decode_stages(layer: DSALayer, cache: PagedCache) -> list[Stage]:
         e["slots"] = slot_of(cache.page_table, request, e["positions"], c.page)
         e["lengths"] = e["positions"] + 1
 
-    def paged_index_logits(e):
-        e["logits"] = dsa.paged_index_logits(
-            e["q8"].unsqueeze(1), cache.index_k, e["weights"], e["lengths"], cache.page_table
-        )
-
-    def topk(e):
-        e["indices"] = dsa.topk(
-            e["logits"], e["lengths"], c.topk, page_table=cache.page_table, page_size=c.page, out_width=c.topk_width
-        )
+    def request_tables(e):
+        e["request"] = torch.arange(e["x"].shape[0], device=e["x"].device)
+        e["tables"] = cache.page_table
 
     return [
         ("project", project),
-        *_store_stages(layer, cache),
+        *_store_stages(layer, cache, request_tables),
         ("quant_index", _quant_index_stage(layer)),
-        ("paged_index_logits", paged_index_logits),
-        ("topk", topk),
+        *_select_stages(layer, cache, request_tables),
         *_attend_stages(layer, cache),
     ]
 
@@ -646,6 +812,7 @@ def prefill_stages(layer: DSALayer, cache: PagedCache, batch: PrefillBatch) -> l
     def project(e):
         e["proj"] = layer.project(e["x"], batch.positions)
         e["slots"] = cache.slots(batch.request, batch.positions)
+        e["positions"], e["lengths"] = batch.positions, batch.lengths
 
     def gather_index_k(e):
         e["k8"], e["k_scale"] = dsa.gather_index_k(cache.index_k, e["slots"], c.index_dim)
@@ -658,18 +825,26 @@ def prefill_stages(layer: DSALayer, cache: PagedCache, batch: PrefillBatch) -> l
             e["logits"], batch.lengths, c.topk, batch.starts, cache.page_table, batch.request, c.page, c.topk_width
         )
 
+    def request_tables(e):
+        e["request"] = batch.request
+        e["tables"] = cache.page_table[batch.request.long()]  # each token's request's pages
+
+    if c.kpool > 1:  # pools: each token scores its request's pools over the paged cache of pool rows
+        selection = _select_stages(layer, cache, request_tables)
+    else:
+        selection = [("gather_index_k", gather_index_k), ("index_logits", index_logits), ("topk", topk)]
     return [
         ("project", project),
-        *_store_stages(layer, cache),
+        *_store_stages(layer, cache, request_tables),
         ("quant_index", _quant_index_stage(layer)),
-        ("gather_index_k", gather_index_k),
-        ("index_logits", index_logits),
-        ("topk", topk),
+        *selection,
         *_attend_stages(layer, cache),
     ]
 
 
-def _store_stages(layer: DSALayer, cache: PagedCache) -> list[Stage]:
+def _store_stages(layer: DSALayer, cache: PagedCache, request_tables: Callable) -> list[Stage]:
+    """The cache writes; with a k-pool indexer, ``request_tables`` (the stage that names each token's request)
+    runs first, and the index keys are staged and compressed into pools (:meth:`DSALayer.store_pools`)."""
     c = layer.config
 
     def store_k_cache(e):
@@ -678,7 +853,41 @@ def _store_stages(layer: DSALayer, cache: PagedCache) -> list[Stage]:
     def store_index_k(e):
         dsa.store_index_k(e["proj"].index_k, cache.index_k, e["slots"], c.index_round_scale)
 
+    def kpool_store_index_k(e):
+        request_tables(e)
+        layer.store_pools(e["proj"], e["request"], e["positions"], cache.index_k, cache.index_stage, cache.page_table)
+
+    if c.kpool > 1:
+        return [("store_k_cache", store_k_cache), ("kpool_store_index_k", kpool_store_index_k)]
     return [("store_k_cache", store_k_cache), ("store_index_k", store_index_k)]
+
+
+def _select_stages(layer: DSALayer, cache: PagedCache, request_tables: Callable) -> list[Stage]:
+    """:meth:`DSALayer.select` as two stages: the indexer's paged logits, then ``topk`` or ``kpool_topk``."""
+    c = layer.config
+
+    def paged_index_logits(e):
+        request_tables(e)
+        seen = torch.div(e["lengths"], c.kpool, rounding_mode="floor")
+        e["logits"] = dsa.paged_index_logits(e["q8"].unsqueeze(1), cache.index_k, e["weights"], seen, e["tables"])
+
+    def topk(e):
+        e["indices"] = dsa.topk(
+            e["logits"], e["lengths"], c.topk, page_table=e["tables"], page_size=c.page, out_width=c.topk_width
+        )
+
+    def kpool_topk(e):
+        e["indices"] = dsa.kpool_topk(
+            e["logits"],
+            e["lengths"],
+            c.pool_topk,
+            c.kpool,
+            page_table=e["tables"],
+            page_size=c.page,
+            out_width=c.topk_width,
+        )
+
+    return [("paged_index_logits", paged_index_logits), ("kpool_topk", kpool_topk) if c.kpool > 1 else ("topk", topk)]
 
 
 def _quant_index_stage(layer: DSALayer) -> Callable[[dict], None]:
@@ -768,7 +977,9 @@ def _fill_cache(layer: DSALayer, cache: PagedCache, length: int, seed: int) -> N
         n = slots.shape[0]
         k_pe = rows(n, c.d_rope) if c.d_rope else None
         dsa.store_k_cache(rows(n, c.kv_lora), k_pe, cache.kv, slots, c.kv_round_scale)
-        dsa.store_index_k(rows(n, c.index_dim), cache.index_k, slots, c.index_round_scale)
+        dsa.store_index_k(rows(n, c.index_dim), cache.index_k, slots, c.index_round_scale)  # (pool rows: p < length)
+        if cache.index_stage is not None:
+            cache.index_stage.view(-1, 2, c.index_dim)[slots] = rows(n, 2 * c.index_dim).view(n, 2, c.index_dim)
 
 
 def bench_layer(
@@ -831,7 +1042,7 @@ def warm_up(config: DSAConfig) -> None:
         index_heads=config.index_heads,
         index_dim=config.index_dim,
         index_page=config.page,
-        topk_k=config.topk,
+        topk_k=config.pool_topk,
         workers=16,
     )
 

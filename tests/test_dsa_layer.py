@@ -66,12 +66,13 @@ def tiny(config, **changes):
     )
 
 
+CONFIGS_PUBLIC = [L.DEEPSEEK_V32, L.GLM_5, L.GLM_53_FLASH]
 CPU_CONFIGS = [
     tiny(L.DEEPSEEK_V32),
     # the other rounding of each cache's scales
     tiny(L.GLM_53_FLASH, index_round_scale=False, kv_round_scale=True),
 ]
-GPU_CONFIGS = [L.DEEPSEEK_V32, L.DEEPSEEK_V32_TP8, L.GLM_53_FLASH, L.GLM_53_FLASH_TP8]
+GPU_CONFIGS = [L.DEEPSEEK_V32, L.DEEPSEEK_V32_TP8, L.GLM_5_TP8, L.GLM_53_FLASH, L.GLM_53_FLASH_TP8]
 
 
 def rows_of(proj, rows):
@@ -96,8 +97,10 @@ def as_mask(positions, n):
     return mask.scatter_(1, torch.where(positions >= 0, positions, n), True)[:, :n]
 
 
-def check_selection(got, want, logits, device_type):
-    """``got`` / ``want``: selected positions ``[q, K]`` (ascending, then -1) of the layer and of the twin."""
+def check_selection(got, want, logits, device_type, kpool=1):
+    """``got`` / ``want``: selected positions ``[q, K]`` (ascending, then -1) of the layer and of the twin; ``logits``
+    the twin's per position (a pooled indexer's: the logit of the position's pool, a swap moving ``kpool``
+    positions)."""
     n = logits.shape[1]
     assert (got >= -1).all() and (got < n).all(), "a selected slot outside the request's pages or past its end"
     valid = got >= 0
@@ -112,7 +115,7 @@ def check_selection(got, want, logits, device_type):
     scale = torch.where(logits.isfinite(), logits.abs(), 0.0).amax(dim=1, keepdim=True)  # [q, 1]
     near = (logits - kth).abs() <= BAND[device_type] * scale  # [q, n]
     assert near[swapped].all(), "an entry far from the k-th best logit was swapped"
-    assert swapped.sum(1).max() <= 2 * MAX_SWAPS[device_type]
+    assert swapped.sum(1).max() <= 2 * MAX_SWAPS[device_type] * kpool
 
 
 def check_output(got, want, device_type):
@@ -130,7 +133,7 @@ def check_request(layer, cache, request, proj, queries, y, slots):
     # the twin attends to the rows the layer selected: a swap the selection check allows would otherwise move y by
     # the weight of the swapped rows
     want_positions, logits, want_y = L.dense_reference(layer, proj, queries.long(), attend_to=got)
-    check_selection(got, want_positions, logits, device_type)
+    check_selection(got, want_positions, logits, device_type, layer.config.kpool)
     check_output(y, want_y, device_type)
 
 
@@ -167,11 +170,29 @@ def run_flow(config, device, seq_lens, backend):
 
 
 def test_model_geometry():
-    assert L.DEEPSEEK_V32.layout.row_bytes == 656 and L.GLM_53_FLASH.layout.row_bytes == 528
+    # the public configs: DeepSeek-V3.2, GLM-5 and GLM-5.3-Flash
+    assert L.DEEPSEEK_V32.layout.row_bytes == L.GLM_5.layout.row_bytes == 656 and L.GLM_53_FLASH.layout.row_bytes == 528
+    dims = [(c.hidden, c.heads, c.q_lora, c.qk_nope, c.d_rope, c.v_head, c.index_heads) for c in CONFIGS_PUBLIC]
+    assert dims == [
+        (7168, 128, 1536, 128, 64, 128, 64),
+        (6144, 64, 2048, 192, 64, 256, 32),
+        (4096, 64, 1536, 256, 0, 256, 32),
+    ]
+    assert [(c.index_rope, c.kpool, c.pool_topk) for c in CONFIGS_PUBLIC] == [
+        (64, 1, 2048),
+        (64, 1, 2048),
+        (0, 16, 128),
+    ]
     for config in GPU_CONFIGS:
-        assert (config.topk, config.topk_width, config.kv_lora, config.index_dim) == (2048, 2048, 512, 128)
-    assert (L.DEEPSEEK_V32_TP8.heads, L.GLM_53_FLASH_TP8.heads) == (16, 8)
+        assert (config.topk, config.kv_lora, config.index_dim) == (2048, 512, 128)
+        assert config.topk_width == (2112 if config.kpool == 16 else 2048)  # 2048 + 15 = 2063, padded to 2112
+    # the model's softmax scale: qk_head_dim ** -0.5, times YaRN's mscale ** 2 for DeepSeek-V3.2 (factor 40)
+    assert math.isclose(L.DEEPSEEK_V32.sm_scale, 192**-0.5 * (0.1 * math.log(40) + 1) ** 2, rel_tol=1e-12)
+    assert round(L.DEEPSEEK_V32.sm_scale, 4) == 0.1352
+    assert L.GLM_5.sm_scale == L.GLM_53_FLASH.sm_scale == 0.0625  # 192 + 64 and 256 + 0, no YaRN
+    assert (L.DEEPSEEK_V32_TP8.heads, L.GLM_5_TP8.heads, L.GLM_53_FLASH_TP8.heads) == (16, 8, 8)
     assert (CPU_CONFIGS[0].topk, CPU_CONFIGS[0].topk_width) == (48, 64)
+    assert (CPU_CONFIGS[1].pool_topk, CPU_CONFIGS[1].topk_width) == (3, 64)  # 3 pools of 16 and a tail of 15
 
 
 @pytest.mark.parametrize("config", CPU_CONFIGS, ids=lambda c: c.name)
@@ -179,9 +200,9 @@ def test_layer_against_dense_twin(config):
     run_flow(config, "cpu", SEQ_LENS_CPU, backend="aot_eager")
 
 
-def test_bench_stages_are_the_layer():
+@pytest.mark.parametrize("config", CPU_CONFIGS, ids=lambda c: c.name)
+def test_bench_stages_are_the_layer(config):
     # bench_layer times decode_stages / prefill_stages: they must compute exactly what the layer does
-    config = CPU_CONFIGS[0]
     layer = L.DSALayer(config, seed=1)
     caches = [L.PagedCache.allocate(config, 2, 80, seed=2) for _ in range(2)]
     gen = torch.Generator().manual_seed(4)
@@ -191,7 +212,7 @@ def test_bench_stages_are_the_layer():
     got = L.run_stages(L.prefill_stages(layer, caches[1], batch), {"x": x})
     assert torch.equal(got["y"], want[0]) and torch.equal(got["indices"], want[1])
     x, positions = torch.randn(2, config.hidden, generator=gen).bfloat16(), torch.tensor([70, 9], dtype=torch.int32)
-    want = layer.decode(x, positions, caches[0].kv, caches[0].index_k, caches[0].page_table)
+    want = layer.decode(x, positions, caches[0].kv, caches[0].index_k, caches[0].page_table, caches[0].index_stage)
     got = L.run_stages(L.decode_stages(layer, caches[1]), {"x": x, "positions": positions})
     assert torch.equal(got["y"], want[0]) and torch.equal(got["indices"], want[1])
     assert torch.equal(caches[0].kv, caches[1].kv) and torch.equal(caches[0].index_k, caches[1].index_k)
