@@ -424,7 +424,7 @@ def test_cuda_index_topk_is_the_cuda_composition(warm, gen, monkeypatch, heads, 
     from sparse_dsa_ops._cuda import indexer
 
     t_count, n = 300, 20000
-    if budget != "default":  # chunks of 64 tokens (a last one of 44), or of one (top-k then splits each row)
+    if budget != "default":  # 64 tokens' logits (fewer a chunk: top-k splits so few rows), or one token
         monkeypatch.setattr(indexer, "INDEX_TOPK_BYTES", 4 * n * 64 if budget == "64-rows" else 1)
     q, k, k_scale, w = make_inputs(gen, t_count, n, heads)
     ks = torch.randint(-3, n // 2, (t_count,), generator=gen, dtype=torch.int32)
