@@ -12,7 +12,16 @@ from typing import NamedTuple
 
 import pytest
 
-from csrc_tl.sparse_attn import DEFAULT_TILES, AttnGeometry, device, head_block, ws_plan, ws_supported
+from csrc_tl.sparse_attn import (
+    DEFAULT_TILES,
+    TRANSPOSED_MAX_HEADS,
+    AttnGeometry,
+    device,
+    head_block,
+    transposed_head_block,
+    ws_plan,
+    ws_supported,
+)
 from csrc_tl.sparse_attn.launch import (
     PERSISTENT,
     PORTABLE,
@@ -243,15 +252,15 @@ PERSISTENT_132 = AttnKernels(PERSISTENT, 132, WARP_SPECIALIZED, 64, pdl=True)
             False,
             AttnLaunch(AttnKernels(PORTABLE, 0, PORTABLE, 64, pdl=False), 1, 0, 32),
         ),
-        # a 16-head shard: the warp-specialized split kernel's partials have a whole 64-head block, the portable
-        # one's 16
+        # a 16-head shard: the warp-specialized kernels run the transposed consumers, whose split kernel's partials
+        # still have a whole 64-head block; the portable one's 16
         (
             geometry("packed", 512, 0, heads=16),
             1,
             2048,
             132,
             True,
-            AttnLaunch(AttnKernels(WARP_SPECIALIZED, 0, WARP_SPECIALIZED, 64, True), 1, 0, 16),
+            AttnLaunch(AttnKernels(WARP_SPECIALIZED, 0, WARP_SPECIALIZED, 64, True, True, True), 1, 0, 16),
         ),
         (
             geometry("packed", 512, 0, heads=16),
@@ -420,3 +429,23 @@ def test_launch_plan_imports_no_backend():
 def test_launch_plan_imports_no_torch():
     loaded = subprocess.run([sys.executable, "-c", IMPORTS], capture_output=True, text=True, check=True).stdout.split()
     assert loaded == []
+
+
+@pytest.mark.parametrize("heads", [1, 3, 8, 13, 16, 24, 31, 32, 33, 64, 128])
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "packed"])
+@pytest.mark.parametrize("d_v, d_rope", [(512, 64), (512, 0), (256, 0)])
+def test_transposed_consumers_at_tensor_parallel_shards(heads, kind, d_v, d_rope):
+    # up to 32 heads the warp-specialized kernels of 64-row blocks run the transposed consumers (heads as the GEMMs'
+    # N, rounded up to a multiple of 8); the prefills of 256-wide rows (128-row blocks) keep the plain ones, and so
+    # does every kernel above 32 heads, the portable kernels and a call that asks for the plain consumers
+    geo = geometry(kind, d_v, d_rope, heads=heads)
+    kernels = attn_kernels(geo, True, 132)
+    few = heads <= TRANSPOSED_MAX_HEADS
+    assert kernels.split_transposed == few
+    assert kernels.prefill_transposed == (few and d_v == 512)
+    if few:
+        plan = ws_plan(geo, split=True, transposed=True)
+        assert plan.hb == transposed_head_block(heads) == -(-heads // 8) * 8 and not plan.paired
+    assert not attn_kernels(geo, False, 132).split_transposed
+    plain = attn_kernels(geo, True, 132, transposed=False)
+    assert not plain.prefill_transposed and not plain.split_transposed

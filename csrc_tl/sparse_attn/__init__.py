@@ -62,6 +62,8 @@ _EXPORTS = {
         "NEG_START",
         "MAX_HEAD_BLOCK",
         "MIN_HEAD_BLOCK",
+        "TRANSPOSED_MAX_HEADS",
+        "transposed_head_block",
     ),
     "launch": (
         "AttnKernels",
@@ -88,6 +90,7 @@ _EXPORTS = {
         "ws_bulk",
         "ws_staged",
         "ws_paired_fits",
+        "ws_transposed",
         "ws_row_lane",
         "ws_plan",
         "WsPlan",

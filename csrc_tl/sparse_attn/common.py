@@ -57,6 +57,29 @@ def online_softmax(acc_s, acc_o, m_i, m_prev, alpha, sum_i, sumexp, scale2):
 
 
 @T.macro
+def online_softmax_t(acc_s, acc_o, m_i, m_prev, alpha, alpha_s, sum_i, sumexp, scale2):
+    """:func:`online_softmax` over transposed scores ``acc_s [block_i, hb]`` (a column per head) into a transposed
+    output accumulator ``acc_o [width, hb]``: the row statistics become reductions over the rows of ``acc_s``. The
+    rescale factors reach ``acc_o``'s threads through shared memory, ``alpha_s [hb]``: the layout of the reduced
+    ``[hb]`` fragments is the scores' and does not map onto the output accumulator's threads."""
+    block_i, hb = acc_s.shape
+    width = acc_o.shape[0]
+    T.copy(m_i, m_prev)
+    T.reduce_max(acc_s, m_i, dim=0, clear=False)
+    for h in T.Parallel(hb):
+        m_i[h] = T.max(m_i[h], m_prev[h])
+        alpha[h] = T.exp2((m_prev[h] - m_i[h]) * scale2)
+    for j, h in T.Parallel(block_i, hb):
+        acc_s[j, h] = T.exp2(acc_s[j, h] * scale2 - m_i[h] * scale2)
+    T.reduce_sum(acc_s, sum_i, dim=0)
+    for h in T.Parallel(hb):
+        sumexp[h] = sumexp[h] * alpha[h] + sum_i[h]
+    T.copy(alpha, alpha_s)
+    for d, h in T.Parallel(width, hb):
+        acc_o[d, h] = acc_o[d, h] * alpha_s[h]
+
+
+@T.macro
 def reciprocal(dst, sumexp, sink_w=None):
     """``dst[h] = 1 / (sumexp[h] + sink_w[h])`` (``sink_w`` 0 when None), or 0 for an empty row (sumexp 0)."""
     for h in T.Parallel(sumexp.shape[0]):
@@ -89,17 +112,19 @@ def normalize(acc_o, lse, m_i, sumexp, scale2, sink_w=None):
     joins the denominator of the output only); an empty row (sumexp 0) gives 0 and -inf.
     ``sumexp`` becomes the reciprocal: the output is scaled by one reciprocal per row, because a
     division per element (IEEE, each a dependent chain of several instructions) took about 2.5 us per
-    block on an H200, which every block pays once at its end (BENCHMARKS.md)."""
-    hb, width = acc_o.shape
+    block on an H200, which every block pays once at its end (BENCHMARKS.md). ``acc_o`` None: the rows are scaled
+    where they are stored instead (``factor`` of :func:`store_rows`)."""
+    hb = m_i.shape[0]
     for h in T.Parallel(hb):
         lse[h] = T.if_then_else(sumexp[h] > 0, (T.log2(sumexp[h]) + m_i[h] * scale2) * LN2, -T.infinity(T.float32))
     reciprocal(sumexp, sumexp, sink_w)
-    for h, d in T.Parallel(hb, width):
-        acc_o[h, d] = acc_o[h, d] * sumexp[h]
+    if acc_o is not None:
+        for h, d in T.Parallel(hb, acc_o.shape[1]):
+            acc_o[h, d] = acc_o[h, d] * sumexp[h]
 
 
 @T.macro
-def store_rows(out, lse, acc_o, stage, row_lse, t, split_id, h0, col0, heads, group=None):
+def store_rows(out, lse, acc_o, stage, row_lse, t, split_id, h0, col0, heads, group=None, factor=None):
     """Write this block's existing heads ``h0 + h < heads`` of ``acc_o [hb, width]`` to columns
     ``col0 + d`` of ``out`` and, unless ``lse`` is None, ``row_lse [hb]`` to ``lse``; a split kernel
     (``split_id`` not None) writes all ``hb`` rows into split ``split_id`` of its partial output, which
@@ -113,10 +138,21 @@ def store_rows(out, lse, acc_o, stage, row_lse, t, split_id, h0, col0, heads, gr
     (``T.address_of``), ordered by a named barrier of its own threads. Through ``T.copy`` the planner
     failed to lower several of these kernels (a sync "inside a divergent region", e.g. over packed
     256+0 rows at 100 heads); the kernel orders the stage's earlier readers itself (the consumers
-    store after their last GEMM, the second warpgroup after the first's last score GEMM)."""
-    hb, width = acc_o.shape
+    store after their last GEMM, the second warpgroup after the first's last score GEMM).
+
+    ``factor [hb]`` (the transposed consumers'): ``acc_o`` is ``[width, hb]``, turned back into rows in ``stage`` times
+    ``factor[h]`` (the normalization; see :func:`normalize`)."""
+    hb, width = stage.shape
     if group is None:
-        T.copy(acc_o, stage)
+        if factor is not None:
+            for d, h in T.Parallel(width, hb):
+                stage[h, d] = acc_o[d, h] * factor[h]
+        else:
+            T.copy(acc_o, stage)
+    elif factor is not None:
+        for d, h in T.Parallel(width, hb):
+            T.call_extern("handle", "dsa_put_bf16", T.address_of(stage[h, d]), acc_o[d, h] * factor[h])
+        T.call_extern("handle", "dsa_bar_sync", group[0], group[1])
     else:
         for h, d in T.Parallel(hb, width):
             T.call_extern("handle", "dsa_put_bf16", T.address_of(stage[h, d]), acc_o[h, d])

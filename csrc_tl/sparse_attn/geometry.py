@@ -12,6 +12,10 @@ LN2 = 0.6931471805599453
 NEG_START = -(2.0**30)  # running max before any valid score: exp2 of (-inf - NEG_START) is 0, never NaN
 MAX_HEAD_BLOCK = 64  # heads one block (one GEMM M tile) handles
 MIN_HEAD_BLOCK = 16  # smallest M tile of the tensor-core GEMMs
+# Most heads of the transposed (few-heads) scheme of the warp-specialized kernels: the heads are the N dimension of
+# its GEMMs (scores transposed, keys as M), where wgmma takes any multiple of 8 up to 256; past 32 heads a 64-row M
+# tile is used whole and the plain scheme is faster (crossover: BENCHMARKS.md)
+TRANSPOSED_MAX_HEADS = 32
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,12 @@ def head_block(heads: int) -> int:
     while block < min(heads, MAX_HEAD_BLOCK):
         block *= 2
     return block
+
+
+def transposed_head_block(heads: int) -> int:
+    """Heads of the transposed scheme's GEMM N tile: ``heads`` rounded up to a multiple of 8 (wgmma's N step)."""
+    assert 1 <= heads <= TRANSPOSED_MAX_HEADS, f"the transposed scheme takes 1..{TRANSPOSED_MAX_HEADS} heads"
+    return -(-heads // 8) * 8
 
 
 def partial_heads(heads: int, ws: bool) -> int:

@@ -16,17 +16,20 @@ class AttnKey:
     """A sparse-attention kernel: ``scheme`` (one of :data:`SCHEMES`: the portable or warp-specialized prefill, or
     split decode kernel) over ``geo``; ``ctas`` the grid of a persistent warp-specialized prefill (0: one CTA per
     token and head block); ``sink_max`` the prefill variant that also takes an ``attn_sink [H]`` float32 (joining
-    each row's denominator of ``out``) and writes ``max_logits [T, H]`` float32 (each row's largest scaled score)."""
+    each row's denominator of ``out``) and writes ``max_logits [T, H]`` float32 (each row's largest scaled score);
+    ``transposed`` a warp-specialized kernel's few-heads consumers (:func:`~csrc_tl.sparse_attn.plan.ws_transposed`)."""
 
     scheme: str
     geo: AttnGeometry
     ctas: int = 0
     sink_max: bool = False
+    transposed: bool = False
 
     def __post_init__(self):
         assert self.scheme in SCHEMES, f"scheme is one of {SCHEMES}, got {self.scheme!r}"
         assert self.ctas >= 0 and (not self.ctas or self.scheme == "prefill_ws"), "ctas: a persistent prefill's"
         assert not (self.sink_max and self.split), "sink_max: a prefill kernel's (the combine folds a split's sink)"
+        assert not self.transposed or self.warp_specialized, "transposed: a warp-specialized kernel's consumers"
 
     @property
     def family(self) -> str:
@@ -45,7 +48,8 @@ class AttnKey:
     def name(self) -> str:
         persistent = f"_c{self.ctas}" if self.ctas else ""
         sink_max = "_sinkmax" if self.sink_max else ""
-        return f"{self.family}_{self.geo}_s{self.geo.sm_scale!r}{persistent}{sink_max}"
+        transposed = "_tr" if self.transposed else ""
+        return f"{self.family}_{self.geo}_s{self.geo.sm_scale!r}{persistent}{sink_max}{transposed}"
 
     def __str__(self) -> str:
         return self.name
@@ -84,7 +88,11 @@ def build(key: "AttnKey | CombineKey"):
         from .ws_kernel import build_attn_ws
 
         return build_attn_ws(
-            key.geo, split=key.split, sink_max=key.sink_max, **({"ctas": key.ctas} if key.ctas else {})
+            key.geo,
+            split=key.split,
+            sink_max=key.sink_max,
+            transposed=key.transposed,
+            **({"ctas": key.ctas} if key.ctas else {}),
         )
     from .portable import build_attn
 

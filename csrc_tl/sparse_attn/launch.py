@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 
 from .geometry import DEFAULT_TILES, AttnGeometry, head_block, partial_heads
-from .plan import DEFAULT_CTAS, ws_persistent, ws_supported
+from .plan import DEFAULT_CTAS, ws_persistent, ws_supported, ws_transposed
 
 __all__ = [
     "PORTABLE",
@@ -71,11 +71,16 @@ class AttnKernels:
     split: str  # the split kernel: PORTABLE or WARP_SPECIALIZED
     partial_heads: int  # head rows of the split kernel's partial output (whole head blocks), which the combine reads
     pdl: bool  # the combine is launched as the split kernel's programmatic dependent (sm_90)
+    # the warp-specialized prefill / split kernel runs the few-heads consumers (csrc_tl.sparse_attn.ws_transposed)
+    prefill_transposed: bool = False
+    split_transposed: bool = False
 
     def __post_init__(self):
         assert self.prefill in (PORTABLE, WARP_SPECIALIZED, PERSISTENT), f"unknown prefill kernel {self.prefill}"
         assert self.split in (PORTABLE, WARP_SPECIALIZED), f"unknown split kernel {self.split}"
         assert (self.ctas >= 1) == (self.prefill == PERSISTENT), "CTAs are the persistent prefill's grid"
+        assert not self.prefill_transposed or self.prefill != PORTABLE, "transposed: a warp-specialized prefill"
+        assert not self.split_transposed or self.split == WARP_SPECIALIZED, "transposed: a warp-specialized split"
 
 
 @dataclass(frozen=True)
@@ -100,12 +105,18 @@ class AttnLaunch:
         return self.tokens - self.prefill_tokens
 
 
-def attn_kernels(geo: AttnGeometry, sm90: bool, sm_count: int | None = None) -> AttnKernels:
+def attn_kernels(
+    geo: AttnGeometry, sm90: bool, sm_count: int | None = None, transposed: bool | None = None
+) -> AttnKernels:
     """The kernels of ``geo`` on a target, sm_90 CUDA where ``sm90``. There, where the geometry allows
     (:func:`csrc_tl.sparse_attn.ws_supported`, any head count), the prefill and the split kernel are warp-specialized,
     else both are portable. A warp-specialized prefill that :func:`csrc_tl.sparse_attn.ws_persistent` builds persistent
     launches one CTA per SM: ``sm_count`` of them, or :data:`csrc_tl.sparse_attn.DEFAULT_CTAS` (an H200's) where
-    None. After a warp-specialized split kernel the combine is its programmatic dependent."""
+    None. After a warp-specialized split kernel the combine is its programmatic dependent. At
+    :data:`~csrc_tl.sparse_attn.geometry.TRANSPOSED_MAX_HEADS` heads or fewer (a tensor-parallel shard) the
+    warp-specialized kernels run the transposed few-heads consumers where they apply
+    (:func:`csrc_tl.sparse_attn.ws_transposed`); ``transposed=False`` asks for the plain ones (the bench's same-run
+    comparison)."""
     ws = sm90 and ws_supported(geo)
     if not ws:
         prefill, ctas = PORTABLE, 0
@@ -114,10 +125,21 @@ def attn_kernels(geo: AttnGeometry, sm90: bool, sm_count: int | None = None) -> 
     else:
         prefill, ctas = WARP_SPECIALIZED, 0
     split = WARP_SPECIALIZED if ws else PORTABLE
-    return AttnKernels(prefill, ctas, split, partial_heads(geo.heads, ws), pdl=ws)
+    few = ws and transposed is not False
+    return AttnKernels(
+        prefill,
+        ctas,
+        split,
+        partial_heads(geo.heads, ws),
+        pdl=ws,
+        prefill_transposed=few and ws_transposed(geo, split=False),
+        split_transposed=few and ws_transposed(geo, split=True),
+    )
 
 
-def plan_launch(geo: AttnGeometry, tokens: int, topk: int, sm_count: int, sm90: bool) -> AttnLaunch:
+def plan_launch(
+    geo: AttnGeometry, tokens: int, topk: int, sm_count: int, sm90: bool, transposed: bool | None = None
+) -> AttnLaunch:
     """The launch of one call over ``tokens`` tokens (T >= 1) of top-k width ``topk`` (K, a multiple of
     :data:`TOPK_BLOCK`) on a GPU of ``sm_count`` SMs, on sm_90 CUDA where ``sm90``, with the kernels of
     :func:`attn_kernels` (a persistent prefill on ``sm_count`` CTAs). The split path takes every token where
@@ -127,7 +149,7 @@ def plan_launch(geo: AttnGeometry, tokens: int, topk: int, sm_count: int, sm90: 
     in 16 splits; a decode T 1 at 64 heads: 16 splits of the warp-specialized split kernel (32 of the portable
     one elsewhere)."""
     assert tokens >= 1, "a call of no tokens launches nothing"
-    kernels = attn_kernels(geo, sm90, sm_count)
+    kernels = attn_kernels(geo, sm90, sm_count, transposed)
     min_blocks = WS_SPLIT_BLOCKS if kernels.split == WARP_SPECIALIZED else 1
     splits = plan_splits(tokens, geo.heads, topk, sm_count, min_blocks)
     if splits > 1:

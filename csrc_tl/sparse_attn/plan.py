@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ..layout import QUANT_TILE
 from . import device
-from .geometry import LOG2E, MAX_HEAD_BLOCK, AttnGeometry
+from .geometry import LOG2E, MAX_HEAD_BLOCK, TRANSPOSED_MAX_HEADS, AttnGeometry, transposed_head_block
 
 # setmaxnreg budgets per thread (consumer warpgroup 0, consumer warpgroup 1, each producer
 # warpgroup), by consumer scheme (see build_attn_ws) and producer count. They must fit the registers
@@ -211,6 +211,21 @@ def ws_persistent(geo: AttnGeometry, split: bool) -> bool:
     return not split and geo.kv_kind == "packed" and ws_bulk(geo, split, ws_block(geo, split))
 
 
+def ws_transposed(geo: AttnGeometry, split: bool) -> bool:
+    """Whether the warp-specialized kernels of ``geo`` run the transposed consumers: at most
+    :data:`~csrc_tl.sparse_attn.geometry.TRANSPOSED_MAX_HEADS` heads (a tensor-parallel shard: 8 to 32 heads per GPU).
+
+    Why: the plain consumers put the heads in the GEMMs' M dimension, whose wgmma tile is 64 rows, so 8 or 16 heads
+    cost what 64 cost. Transposed, the block's keys are M (``S^T = K . Q^T``, 64 keys by ``hb`` heads, ``hb`` the
+    heads rounded up to a multiple of 8) and the output is ``O^T += V^T . P^T`` (``d_v`` by ``hb``, V^T read from the
+    same bf16 stage as an MN-major operand), so the tensor cores do the work of the real heads and the softmax becomes
+    a reduction over the rows of the scores. The producers are unchanged: at few heads they bound the kernel.
+
+    Needs 64-row blocks (:func:`ws_block`): TileLang 0.1.15 cannot reduce the rows of a 128-row transposed score
+    fragment (two M tiles per thread), so the prefills of 256-wide rows keep the plain consumers."""
+    return geo.heads <= TRANSPOSED_MAX_HEADS and ws_supported(geo) and ws_block(geo, split) == 64
+
+
 def ws_paired_fits(geo: AttnGeometry, block_i: int) -> bool:
     """Whether the paired scheme of :func:`build_attn_ws` fits in shared memory: q, two stages and two
     probability tiles (warpgroup 0's in its stage's tail where that is as wide as a block)."""
@@ -240,10 +255,12 @@ class WsPlan:
     ``wg1_widens`` (consumer warpgroup 1 widens the last pass of each in-place block), ``persist`` (a persistent
     prefill of at most ``ctas`` CTAs), ``quarters`` (producer threads mapped to rows by quarter warps,
     :func:`ws_row_lane`), ``bulk`` (staged packed rows by one TMA bulk copy each), ``calls_widen`` (the producer
-    widens through ``dsa_widen``)."""
+    widens through ``dsa_widen``), ``transposed`` (the few-heads consumers: scores transposed, see
+    :func:`ws_transposed`)."""
 
     geo: AttnGeometry
     split: bool
+    transposed: bool  # scores as [block_i, hb] (keys as the GEMM's M, heads as its N) and the output as [d_v, hb]
     sink_max: bool  # (a prefill) takes an attention sink, writes each row's max (AttnKey.sink_max)
     block_i: int  # top-k rows of a block (of a stage)
     n_prod: int  # producer warpgroups
@@ -302,15 +319,18 @@ def ws_plan(
     nreg: tuple[int, int, int] | None = None,
     ctas: int = DEFAULT_CTAS,
     sink_max: bool = False,
+    transposed: bool = False,
 ) -> WsPlan:
     """The plan of ``build_attn_ws(geo, split=split, ...)`` (same arguments; see there): pure, of the key only."""
     geo.check()
     assert not (sink_max and split), "sink_max: a prefill kernel's"
     assert ws_supported(geo), "needs d_v a multiple of 128 (256 for FP8 rows), d_rope 0 or 64"
+    assert not transposed or geo.heads <= TRANSPOSED_MAX_HEADS, f"transposed: at most {TRANSPOSED_MAX_HEADS} heads"
     block_i = ws_block(geo, split) if block_i is None else block_i
     assert block_i == 64 or not split, "a split kernel works on 64-row blocks"
     d_v, d_tail, heads = geo.d_v, geo.d_rope, geo.heads
-    hb = MAX_HEAD_BLOCK
+    assert not transposed or block_i == 64, "transposed consumers work on 64-row blocks (see ws_transposed)"
+    hb = transposed_head_block(heads) if transposed else MAX_HEAD_BLOCK
     scale2 = geo.sm_scale * LOG2E
     packed, row_w = geo.kv_kind == "packed", geo.kv_row_width
     vec = 8 if geo.kv_kind == "bf16" else 16
@@ -322,7 +342,8 @@ def ws_plan(
     # the prefill of bf16 rows: the two consumer warpgroups score the blocks of a pair side by side;
     # elsewhere warpgroup 0 scores each block as soon as it is ready (measured: BENCHMARKS.md; pairs
     # were slower where the producer bounds the kernel, over FP8 rows)
-    paired = geo.kv_kind == "bf16" and not split and ws_paired_fits(geo, block_i)
+    # (the transposed consumers take every block in the single scheme: each block's GEMMs are a few wgmma of N = hb)
+    paired = geo.kv_kind == "bf16" and not split and not transposed and ws_paired_fits(geo, block_i)
     # where the tail is as wide as a block, warpgroup 0's shared probabilities take its stage's tail
     # (read by its score GEMM only; refilled after warpgroup 1's last PV GEMM of the pair, as FlashMLA)
     p0_in_tail = paired and d_tail == block_i
@@ -371,6 +392,7 @@ def ws_plan(
     return WsPlan(
         geo=geo,
         split=split,
+        transposed=transposed,
         sink_max=sink_max,
         block_i=block_i,
         n_prod=n_prod,

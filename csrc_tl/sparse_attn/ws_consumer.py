@@ -11,6 +11,7 @@ from .common import (
     load_q,
     normalize,
     online_softmax,
+    online_softmax_t,
     reciprocal,
     rescale,
     sink_weight,
@@ -62,7 +63,31 @@ def _score_macros(plan: WsPlan) -> SimpleNamespace:
         T.fence_proxy_async()  # generic stores, read by wgmma through the async proxy
         T.barrier_arrive(q_ready)
 
-    return SimpleNamespace(score=score, score_half=score_half, stage_q=stage_q)
+    @T.macro
+    def score_stage(c, k_l, k_r, k_t):
+        """Issue the score GEMMs of the stage ``(k_l, k_r, k_t)`` into ``c.acc_s``, not waited for: ``[hb,
+        block_i]``, or transposed ``[block_i, hb]`` (the stage's rows as M, the heads as N)."""
+        if plan.transposed:
+            T.wgmma_gemm(k_l, c.q_l, c.acc_s, transpose_B=True)
+            T.wgmma_gemm(k_r, c.q_r, c.acc_s, transpose_B=True)
+            if d_tail:
+                T.wgmma_gemm(k_t, c.qt_s, c.acc_s, transpose_B=True)
+        else:
+            T.wgmma_gemm(c.q_l, k_l, c.acc_s, transpose_B=True)
+            T.wgmma_gemm(c.q_r, k_r, c.acc_s, transpose_B=True)
+            if d_tail:
+                T.wgmma_gemm(c.qt_s, k_t, c.acc_s, transpose_B=True)
+
+    @T.macro
+    def pv_half(p_s, v_half, acc_o):
+        """``acc_o += P . V`` over one value half ``v_half [block_i, half]`` of a stage; transposed, ``acc_o [half,
+        hb] += V^T . P^T`` (V^T: the stage read as an MN-major operand; P^T: ``p_s [hb, block_i]``, K-major)."""
+        if plan.transposed:
+            T.gemm(v_half, p_s, acc_o, transpose_A=True, transpose_B=True)
+        else:
+            T.gemm(p_s, v_half, acc_o)
+
+    return SimpleNamespace(score=score, score_half=score_half, stage_q=stage_q, score_stage=score_stage, pv_half=pv_half)
 
 
 def _consume0_paired(plan: WsPlan, items: SimpleNamespace, scores: SimpleNamespace) -> SimpleNamespace:
@@ -176,13 +201,13 @@ def _consume0_paired(plan: WsPlan, items: SimpleNamespace, scores: SimpleNamespa
 
 
 def _consume0_single(plan: WsPlan, items: SimpleNamespace, scores: SimpleNamespace) -> SimpleNamespace:
-    """Consumer warpgroup 0 of the single scheme."""
+    """Consumer warpgroup 0 of the single scheme (transposed or not: :func:`~csrc_tl.sparse_attn.plan.ws_transposed`)."""
     geo, split, block_i, hb, persist = plan.geo, plan.split, plan.block_i, plan.hb, plan.persist
-    copies_async, scale2, sink_max = plan.copies_async, plan.scale2, plan.sink_max
+    copies_async, scale2, sink_max, transposed = plan.copies_async, plan.scale2, plan.sink_max, plan.transposed
     d_tail, heads = geo.d_rope, geo.heads
     acc = T.float32
     work, work_items, global_block = items.work, items.work_items, items.global_block
-    stage_q = scores.stage_q
+    stage_q, score_stage, pv_half = scores.stage_q, scores.score_stage, scores.pv_half
 
     @T.macro
     def consume0_single(c):
@@ -211,33 +236,37 @@ def _consume0_single(plan: WsPlan, items: SimpleNamespace, scores: SimpleNamespa
                     T.barrier_wait(c.ready1, phase)
                 if copies_async:
                     T.fence_proxy_async()  # cp.async wrote the stage; wgmma reads it (async proxy)
-                for h, j in T.Parallel(hb, block_i):
-                    ok = T.if_then_else(it % 2 == 0, c.ok0[j], c.ok1[j])
-                    c.acc_s[h, j] = T.if_then_else(ok != 0, 0, -T.infinity(acc))
+                if transposed:
+                    for j, h in T.Parallel(block_i, hb):
+                        ok = T.if_then_else(it % 2 == 0, c.ok0[j], c.ok1[j])
+                        c.acc_s[j, h] = T.if_then_else(ok != 0, 0, -T.infinity(acc))
+                else:
+                    for h, j in T.Parallel(hb, block_i):
+                        ok = T.if_then_else(it % 2 == 0, c.ok0[j], c.ok1[j])
+                        c.acc_s[h, j] = T.if_then_else(ok != 0, 0, -T.infinity(acc))
                 # the score GEMMs are issued back to back and waited for once
                 if it % 2 == 0:
-                    T.wgmma_gemm(c.q_l, c.kv_l0, c.acc_s, transpose_B=True)
-                    T.wgmma_gemm(c.q_r, c.kv_r0, c.acc_s, transpose_B=True)
-                    if d_tail:
-                        T.wgmma_gemm(c.qt_s, c.kt_s0, c.acc_s, transpose_B=True)
+                    score_stage(c, c.kv_l0, c.kv_r0, c.kt_s0)
                 else:
-                    T.wgmma_gemm(c.q_l, c.kv_l1, c.acc_s, transpose_B=True)
-                    T.wgmma_gemm(c.q_r, c.kv_r1, c.acc_s, transpose_B=True)
-                    if d_tail:
-                        T.wgmma_gemm(c.qt_s, c.kt_s1, c.acc_s, transpose_B=True)
+                    score_stage(c, c.kv_l1, c.kv_r1, c.kt_s1)
                 T.wait_wgmma(0)
                 if global_block(base, it) > 0:  # warpgroup 1 is done with p_s and alpha_s
                     T.barrier_wait(c.p_free, (global_block(base, it) - 1) & 1)
-                online_softmax(c.acc_s, c.acc_o, c.m_i, c.m_prev, c.alpha, c.sum_i, c.sumexp, scale2)
-                T.copy(c.alpha, c.alpha_s)
-                T.copy(c.acc_s, c.p_s)
+                if transposed:
+                    online_softmax_t(c.acc_s, c.acc_o, c.m_i, c.m_prev, c.alpha, c.alpha_s, c.sum_i, c.sumexp, scale2)
+                    for j, h in T.Parallel(block_i, hb):
+                        c.p_s[h, j] = c.acc_s[j, h]
+                else:
+                    online_softmax(c.acc_s, c.acc_o, c.m_i, c.m_prev, c.alpha, c.sum_i, c.sumexp, scale2)
+                    T.copy(c.alpha, c.alpha_s)
+                    T.copy(c.acc_s, c.p_s)
                 # warpgroup 1 may start its half of PV now, beside this warpgroup's half
                 T.fence_proxy_async()
                 T.barrier_arrive(c.p_ready)
                 if it % 2 == 0:
-                    T.gemm(c.p_s, c.kv_l0, c.acc_o)
+                    pv_half(c.p_s, c.kv_l0, c.acc_o)
                 else:
-                    T.gemm(c.p_s, c.kv_l1, c.acc_o)
+                    pv_half(c.p_s, c.kv_l1, c.acc_o)
                 if it % 2 == 0:
                     T.barrier_arrive(c.free0)
                 else:
@@ -247,11 +276,11 @@ def _consume0_single(plan: WsPlan, items: SimpleNamespace, scores: SimpleNamespa
                 sink_weight(c.alpha, c.attn_sink, c.m_i, h0_i, heads, scale2)
                 reciprocal(c.sum_s, c.sumexp, c.alpha)  # warpgroup 1 scales its half by it
                 T.barrier_arrive(c.done)
-                normalize(c.acc_o, c.sum_i, c.m_i, c.sumexp, scale2, c.alpha)
+                normalize(None if transposed else c.acc_o, c.sum_i, c.m_i, c.sumexp, scale2, c.alpha)
             else:
                 reciprocal(c.sum_s, c.sumexp)  # warpgroup 1 scales its half by it
                 T.barrier_arrive(c.done)
-                normalize(c.acc_o, c.sum_i, c.m_i, c.sumexp, scale2)
+                normalize(None if transposed else c.acc_o, c.sum_i, c.m_i, c.sumexp, scale2)
             store_rows(
                 c.out,
                 c.lse,
@@ -264,6 +293,7 @@ def _consume0_single(plan: WsPlan, items: SimpleNamespace, scores: SimpleNamespa
                 0,
                 heads,
                 WS_STORE_BARRIERS[0] if split else None,
+                factor=c.sum_s if transposed else None,
             )
             if split:
                 # the combine may launch now (the first thread's trigger counts for the CTA).
@@ -369,11 +399,22 @@ def _consume1_single(
     """Consumer warpgroup 1 of the single scheme."""
     geo, split, half, hb, n_tiles, persist = plan.geo, plan.split, plan.half, plan.hb, plan.n_tiles, plan.persist
     wg1_passes, copies_async, wg1_widens = plan.wg1_passes, plan.copies_async, plan.wg1_widens
+    transposed = plan.transposed
     heads = geo.heads
     acc = T.float32
     work, work_items, global_block = items.work, items.work_items, items.global_block
-    stage_q = scores.stage_q
+    stage_q, pv_half = scores.stage_q, scores.pv_half
     load_index, produce_inplace = prod.load_index, prod.produce_inplace
+
+    @T.macro
+    def scale_rows(acc_o_r, factor):
+        """Each head's row of ``acc_o_r`` (``[hb, half]``, or transposed ``[half, hb]``) times ``factor[h]``."""
+        if transposed:
+            for d, h in T.Parallel(half, hb):
+                acc_o_r[d, h] = acc_o_r[d, h] * factor[h]
+        else:
+            for h, d in T.Parallel(hb, half):
+                acc_o_r[h, d] = acc_o_r[h, d] * factor[h]
 
     @T.macro
     def consume1_single(c):
@@ -459,18 +500,17 @@ def _consume1_single(
                 T.barrier_wait(c.p_ready, global_block(base, it) & 1)
                 if copies_async:
                     T.fence_proxy_async()
-                for h, d in T.Parallel(hb, half):
-                    c.acc_o_r[h, d] = c.acc_o_r[h, d] * c.alpha_s[h]
+                scale_rows(c.acc_o_r, c.alpha_s)
                 if it % 2 == 0:
-                    T.gemm(c.p_s, c.kv_r0, c.acc_o_r)
+                    pv_half(c.p_s, c.kv_r0, c.acc_o_r)
                     T.barrier_arrive(c.free0)
                 else:
-                    T.gemm(c.p_s, c.kv_r1, c.acc_o_r)
+                    pv_half(c.p_s, c.kv_r1, c.acc_o_r)
                     T.barrier_arrive(c.free1)
                 T.barrier_arrive(c.p_free)
             T.barrier_wait(c.done, i & 1)
-            for h, d in T.Parallel(hb, half):
-                c.acc_o_r[h, d] = c.acc_o_r[h, d] * c.sum_s[h]
+            if not transposed:  # (transposed, store_rows scales them)
+                scale_rows(c.acc_o_r, c.sum_s)
             store_rows(
                 c.out,
                 None,
@@ -483,6 +523,7 @@ def _consume1_single(
                 half,
                 heads,
                 WS_STORE_BARRIERS[1] if split else None,
+                factor=c.sum_s if transposed else None,
             )
             if persist:
                 base[0] = base[0] + walk_i

@@ -24,6 +24,7 @@ def build_attn_ws(
     nreg: tuple[int, int, int] | None = None,
     ctas: int = DEFAULT_CTAS,
     sink_max: bool = False,
+    transposed: bool = False,
 ):
     """Warp-specialized prefill kernel for Hopper (sm_90, CUDA only: mbarriers and setmaxnreg): a
     producer warpgroup gathers (and for a packed pool dequantizes) the next top-k block into the
@@ -56,7 +57,16 @@ def build_attn_ws(
     Every choice above is made once, by :func:`~csrc_tl.sparse_attn.plan.ws_plan` (the :class:`WsPlan` record);
     the producer (:mod:`.ws_producer`) and consumer (:mod:`.ws_consumer`) macros read it.
     """
-    plan = ws_plan(geo, split=split, block_i=block_i, producers=producers, nreg=nreg, ctas=ctas, sink_max=sink_max)
+    plan = ws_plan(
+        geo,
+        split=split,
+        block_i=block_i,
+        producers=producers,
+        nreg=nreg,
+        ctas=ctas,
+        sink_max=sink_max,
+        transposed=transposed,
+    )
     t_count, s_count, k_count, n_split = T.dynamic("t"), T.dynamic("s"), T.dynamic("k"), T.dynamic("ns")
     dims = (t_count, s_count, k_count, n_split)
     items = work_helpers(plan, dims)
@@ -131,9 +141,11 @@ def _attend_macro(plan: WsPlan, dims, prod: SimpleNamespace, cons: SimpleNamespa
                 p0_s = p1_s = m_s = None
 
             # each consumer warpgroup has its own fragments (their layouts bind its own threads)
-            acc_o = T.alloc_fragment((hb, half), acc)  # warpgroup 0: left half of the output
-            acc_o_r = T.alloc_fragment((hb, half), acc)  # warpgroup 1: right half
-            acc_s = T.alloc_fragment((hb, block_i), acc)  # warpgroup 0: scores (of stage 0 when paired)
+            # (transposed: the output as [half, hb], the scores as [block_i, hb]; see ws_transposed)
+            o_shape = (half, hb) if plan.transposed else (hb, half)
+            acc_o = T.alloc_fragment(o_shape, acc)  # warpgroup 0: left half of the output
+            acc_o_r = T.alloc_fragment(o_shape, acc)  # warpgroup 1: right half
+            acc_s = T.alloc_fragment((block_i, hb) if plan.transposed else (hb, block_i), acc)  # warpgroup 0: scores
             m_i = T.alloc_fragment((hb,), acc)
             m_prev = T.alloc_fragment((hb,), acc)
             alpha = T.alloc_fragment((hb,), acc)

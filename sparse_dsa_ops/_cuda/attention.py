@@ -24,7 +24,7 @@ from csrc_tl.sparse_attn.launch import (
     plan_tail,
 )
 
-from ..ops import AttnArgs, takes_checked
+from ..ops import OPS, AttnArgs, takes_checked
 from .common import aligned, check_pool, pool_rows, pool_slots
 from .compile import is_hopper, kernel, register_builder, sm_count
 
@@ -59,8 +59,8 @@ def _kernel_keys(
     ``sink`` the prefill kernel and the combine take an attention sink, with ``max_logits`` the prefill kernel writes
     the row maxima (its ``sink_max`` variant does both)."""
     ctas = kernels.ctas if kernels.prefill == PERSISTENT else 0  # the persistent kernel's grid
-    prefill = AttnKey(_PREFILL_SCHEMES[kernels.prefill], geo, ctas, sink or max_logits)
-    split = AttnKey(_SPLIT_SCHEMES[kernels.split], geo)
+    prefill = AttnKey(_PREFILL_SCHEMES[kernels.prefill], geo, ctas, sink or max_logits, kernels.prefill_transposed)
+    split = AttnKey(_SPLIT_SCHEMES[kernels.split], geo, transposed=kernels.split_transposed)
     combine = CombineKey(geo.d_v, geo.heads, kernels.partial_heads, kernels.pdl, sink)
     return prefill, split, combine
 
@@ -168,11 +168,14 @@ def plan_attn(
     target: str | None = None,
     sink: bool = False,
     max_logits: bool = False,
+    transposed: bool | None = None,
 ) -> AttnPlan:
-    """The kernels and split count for one call (``target``, ``sink`` and ``max_logits`` as in :func:`attn_keys`):
-    the keys of its launch plan, :func:`csrc_tl.sparse_attn.launch.plan_launch`."""
+    """The kernels and split count for one call (``target``, ``sink`` and ``max_logits`` as in :func:`attn_keys`;
+    ``transposed=False``: the plain consumers at any head count, for the bench's same-run comparison): the keys of
+    its launch plan, :func:`csrc_tl.sparse_attn.launch.plan_launch`."""
     geo = _geometry(kv_kind, d_v, d_rope, heads, sm_scale, has_topk_length, q_fp8)
-    return AttnPlan.of(geo, plan_launch(geo, tokens, topk, sm_count, _sm90(target)), sink, max_logits)
+    launch = plan_launch(geo, tokens, topk, sm_count, _sm90(target), transposed)
+    return AttnPlan.of(geo, launch, sink, max_logits)
 
 
 def warmup_keys(
@@ -237,8 +240,9 @@ def sparse_attn_with_max_logits(args: AttnArgs, q, kv, indices, sm_scale, d_v, t
     return out, lse, max_logits
 
 
-def _attend(args: AttnArgs, q, kv, indices, sm_scale, d_v, topk_length, attn_sink, max_logits):
-    """``(out, lse)`` of ``sparse_attn``, and ``max_logits`` filled in place where given."""
+def _attend(args: AttnArgs, q, kv, indices, sm_scale, d_v, topk_length, attn_sink, max_logits, transposed=None):
+    """``(out, lse)`` of ``sparse_attn``, and ``max_logits`` filled in place where given (``transposed=False``: the
+    plain consumers at any head count, the bench's same-run comparison; see :func:`plan_attn`)."""
     t_count, heads, d_qk = q.shape
     if heads > 128 or d_v % 64 or args.d_rope % 16:
         raise NotImplementedError(
@@ -269,6 +273,7 @@ def _attend(args: AttnArgs, q, kv, indices, sm_scale, d_v, topk_length, attn_sin
         sm_count(q.device),
         sink=attn_sink is not None,
         max_logits=max_logits is not None,
+        transposed=transposed,
     )
     inputs = (q, idx) if topk_length is None else (q, idx, topk_length)
     main = plan.prefill_tokens
@@ -353,9 +358,24 @@ def attn_max_logits(args: AttnArgs, q, kv, indices, sm_scale, d_v, topk_length=N
 # Bench cases.
 
 
-def _attn_case(name, kind, d_nope, d_rope, heads, tokens, slots, topk, target=None, variant=""):
+def _causal_indices(tokens: int, topk: int, gen: torch.Generator) -> torch.Tensor:
+    """``[T, topk]`` int32 indices of one causal prefill of ``tokens`` tokens over slots ``0..T-1``: token i selects
+    ``topk`` distinct positions among its first ``i + 1`` (its whole prefix while that is shorter, -1 after it)."""
+    position = torch.arange(tokens, device="cuda")
+    noise = torch.rand(tokens, tokens, device="cuda", generator=gen)
+    noise.masked_fill_(position[None, :] > position[:, None], -1.0)  # [T, T], -1 past each token
+    best, idx = noise.topk(topk, dim=1)
+    return torch.where(best >= 0, idx, -1).int()
+
+
+def _attn_case(
+    name, kind, d_nope, d_rope, heads, tokens, slots, topk, target=None, variant="", causal=False, plain=False
+):
     """One attention case; ``variant``: "" (the core op), "sink" (with an ``attn_sink``) or "flash_mla" (the same
-    call through :mod:`sparse_dsa_ops.flash_mla`: its prefill for bf16 kv, its paged FP8 decode for packed kv)."""
+    call through :mod:`sparse_dsa_ops.flash_mla`: its prefill for bf16 kv, its paged FP8 decode for packed kv);
+    ``causal``: the indices of one causal prefill (:func:`_causal_indices`, ``slots`` = ``tokens``) instead of
+    random ones over the whole pool; ``plain``: the plain consumers at a few-heads case (the transposed ones'
+    same-run comparison)."""
 
     def make():
         gen = torch.Generator(device="cuda").manual_seed(0)
@@ -368,7 +388,10 @@ def _attn_case(name, kind, d_nope, d_rope, heads, tokens, slots, topk, target=No
             )
         elif kind == "fp8":
             q, kv = q.to(torch.float8_e4m3fn), kv.to(torch.float8_e4m3fn)
-        idx = torch.randint(0, slots, (tokens, topk), device="cuda", dtype=torch.int32, generator=gen)
+        if causal:
+            idx = _causal_indices(tokens, topk, gen)
+        else:
+            idx = torch.randint(0, slots, (tokens, topk), device="cuda", dtype=torch.int32, generator=gen)
         if variant == "sink":
             return (q, kv, idx, d_qk**-0.5, d_nope, None, torch.randn(heads, device="cuda", generator=gen))
         if variant == "flash_mla" and kind == "packed":  # b = T requests of one token, pages of 64 slots
@@ -391,11 +414,13 @@ def _attn_case(name, kind, d_nope, d_rope, heads, tokens, slots, topk, target=No
         torch.cuda.get_device_properties(0).multi_processor_count,
         sink=variant == "sink",
         max_logits=variant == "flash_mla" and kind != "packed",  # (flash_mla_sparse_fwd returns them)
+        transposed=False if plain else None,
     )
+    run = _flash_mla_run(kind, d_nope, d_rope) if variant == "flash_mla" else _plain_run if plain else None
     return dict(
         name=name,
         op="sparse_attn",
-        run=_flash_mla_run(kind, d_nope, d_rope) if variant == "flash_mla" else None,
+        run=run,
         make=make,
         flops=flops,
         bytes=None,
@@ -403,6 +428,12 @@ def _attn_case(name, kind, d_nope, d_rope, heads, tokens, slots, topk, target=No
         path=str(plan),
         target=target,
     )
+
+
+def _plain_run(q, kv, indices, sm_scale, d_v):
+    """``sparse_attn`` on the plain consumers (see :func:`plan_attn`)."""
+    args = OPS["sparse_attn"].check(q, kv, indices, sm_scale, d_v)
+    return _attend(args, q, kv, indices, sm_scale, d_v, None, None, None, transposed=False)
 
 
 def _flash_mla_run(kind: str, d_nope: int, d_rope: int):
@@ -467,6 +498,7 @@ def bench_cases() -> list[dict]:
         _attn_case("decode glm packed T1 S65536 H8 k2048", "packed", 256, 0, 8, 1, 65536, 2048),
         _attn_case("decode glm packed T17 S65536 H8 k2112", "packed", 256, 0, 8, 17, 65536, 2112),
     ]
+    cases += _shard_cases()
     # with an attention sink, and through the FlashMLA face: each beside its core case above
     for variant in ("sink", "flash_mla"):
         cases += [
@@ -505,4 +537,30 @@ def bench_cases() -> list[dict]:
             ),
         ]
     cases.append(_attn_case("decode deepseek packed T1 S65536 H128 k2048", "packed", 512, 64, 128, 1, 65536, 2048))
+    return cases
+
+
+def _shard_cases() -> list[dict]:
+    """Tensor-parallel shards (8, 16, 32 heads per GPU) beside 64 and 128 heads of the same geometry, prefill and
+    decode, random and causal indices, and at 8 and 16 heads the plain consumers (the transposed ones' same-run
+    comparison)."""
+    cases = []
+    for model, d_nope, d_rope in (("deepseek", 512, 64), ("glm5.3-flash", 512, 0)):
+        for kind in ("bf16", "packed"):
+            for heads in (8, 16, 32, 64):
+                shape = f"{model} {kind} T4096 S8192 H{heads} k2048"
+                cases.append(_attn_case(f"tp prefill {shape}", kind, d_nope, d_rope, heads, 4096, 8192, 2048))
+                if heads <= 16:
+                    name = f"tp prefill {shape} plain"
+                    cases.append(_attn_case(name, kind, d_nope, d_rope, heads, 4096, 8192, 2048, plain=True))
+    for heads in (8, 16, 64):
+        for kind in ("bf16", "packed"):
+            name = f"tp prefill causal deepseek {kind} T8192 H{heads} k2048"
+            cases.append(_attn_case(name, kind, 512, 64, heads, 8192, 8192, 2048, causal=True))
+    for tokens in (1, 4, 64, 256):
+        for heads in (8, 16, 128):
+            name = f"tp decode deepseek packed T{tokens} S65536 H{heads} k2048"
+            cases.append(_attn_case(name, "packed", 512, 64, heads, tokens, 65536, 2048))
+    cases.append(_attn_case("tp decode deepseek packed T1 S65536 H16 k2048 plain", "packed", 512, 64, 16, 1, 65536,
+                            2048, plain=True))
     return cases
