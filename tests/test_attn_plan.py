@@ -15,6 +15,7 @@ import pytest
 from csrc_tl.sparse_attn import (
     DEFAULT_TILES,
     TRANSPOSED_MAX_HEADS,
+    TRANSPOSED_PLAN_HEADS,
     AttnGeometry,
     device,
     head_block,
@@ -252,15 +253,15 @@ PERSISTENT_132 = AttnKernels(PERSISTENT, 132, WARP_SPECIALIZED, 64, pdl=True)
             False,
             AttnLaunch(AttnKernels(PORTABLE, 0, PORTABLE, 64, pdl=False), 1, 0, 32),
         ),
-        # a 16-head shard: the warp-specialized kernels run the transposed consumers, whose split kernel's partials
-        # still have a whole 64-head block; the portable one's 16
+        # a 16-head shard: the warp-specialized split kernel runs the transposed consumers (the prefill the plain
+        # ones) and its partials still have a whole 64-head block; the portable one's 16
         (
             geometry("packed", 512, 0, heads=16),
             1,
             2048,
             132,
             True,
-            AttnLaunch(AttnKernels(WARP_SPECIALIZED, 0, WARP_SPECIALIZED, 64, True, True, True), 1, 0, 16),
+            AttnLaunch(AttnKernels(WARP_SPECIALIZED, 0, WARP_SPECIALIZED, 64, True, False, True), 1, 0, 16),
         ),
         (
             geometry("packed", 512, 0, heads=16),
@@ -435,15 +436,15 @@ def test_launch_plan_imports_no_torch():
 @pytest.mark.parametrize("kind", ["bf16", "fp8", "packed"])
 @pytest.mark.parametrize("d_v, d_rope", [(512, 64), (512, 0), (256, 0)])
 def test_transposed_consumers_at_tensor_parallel_shards(heads, kind, d_v, d_rope):
-    # up to 32 heads the warp-specialized kernels of 64-row blocks run the transposed consumers (heads as the GEMMs'
-    # N, rounded up to a multiple of 8); the prefills of 256-wide rows (128-row blocks) keep the plain ones, and so
-    # does every kernel above 32 heads, the portable kernels and a call that asks for the plain consumers
+    # the warp-specialized kernels of 64-row blocks run the transposed consumers (heads as the GEMMs' N, rounded up
+    # to a multiple of 8) up to the measured crossover: 8 heads in the prefill, 16 in the split kernel; the prefills
+    # of 256-wide rows (128-row blocks) keep the plain ones, and so do the portable kernels and a call that asks for
+    # the plain consumers. The kernels are built for up to 32 heads.
     geo = geometry(kind, d_v, d_rope, heads=heads)
     kernels = attn_kernels(geo, True, 132)
-    few = heads <= TRANSPOSED_MAX_HEADS
-    assert kernels.split_transposed == few
-    assert kernels.prefill_transposed == (few and d_v == 512)
-    if few:
+    assert kernels.split_transposed == (heads <= TRANSPOSED_PLAN_HEADS[1] == 16)
+    assert kernels.prefill_transposed == (heads <= TRANSPOSED_PLAN_HEADS[0] == 8 and d_v == 512)
+    if heads <= TRANSPOSED_MAX_HEADS:
         plan = ws_plan(geo, split=True, transposed=True)
         assert plan.hb == transposed_head_block(heads) == -(-heads // 8) * 8 and not plan.paired
     assert not attn_kernels(geo, False, 132).split_transposed

@@ -168,7 +168,7 @@ def test_gpu_check_compiles_the_kernels_its_cases_run(h200, monkeypatch):
     cli._warm_up_check(cases, device)
     # each kernel adds seconds of lowering to the first check on a fresh machine
     assert sorted(map(str, compiled)) == sorted(str(key) for case in cases for key in case.keys(device))
-    assert len(set(compiled)) == 25
+    assert len(set(compiled)) == 29  # (index_topk and the k-pool ops reuse the indexer and top-k kernels)
     # the attention kernels (the longest nvcc compiles) are handed to the compile threads first
     attn = [k.__class__.__name__ == "AttnKey" for k in compiled]
     assert attn == sorted(attn, reverse=True)

@@ -91,6 +91,7 @@ _EXPORTS = {
         "ws_staged",
         "ws_paired_fits",
         "ws_transposed",
+        "TRANSPOSED_PLAN_HEADS",
         "ws_row_lane",
         "ws_plan",
         "WsPlan",

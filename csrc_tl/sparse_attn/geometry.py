@@ -12,9 +12,9 @@ LN2 = 0.6931471805599453
 NEG_START = -(2.0**30)  # running max before any valid score: exp2 of (-inf - NEG_START) is 0, never NaN
 MAX_HEAD_BLOCK = 64  # heads one block (one GEMM M tile) handles
 MIN_HEAD_BLOCK = 16  # smallest M tile of the tensor-core GEMMs
-# Most heads of the transposed (few-heads) scheme of the warp-specialized kernels: the heads are the N dimension of
-# its GEMMs (scores transposed, keys as M), where wgmma takes any multiple of 8 up to 256; past 32 heads a 64-row M
-# tile is used whole and the plain scheme is faster (crossover: BENCHMARKS.md)
+# Most heads the transposed (few-heads) consumers of the warp-specialized kernels are built for: the heads are the N
+# dimension of their GEMMs (scores transposed, keys as M), where wgmma takes any multiple of 8. Where the launch plan
+# uses them is narrower (TRANSPOSED_PLAN_HEADS in .plan: the measured crossover)
 TRANSPOSED_MAX_HEADS = 32
 
 

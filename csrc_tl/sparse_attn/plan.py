@@ -211,6 +211,14 @@ def ws_persistent(geo: AttnGeometry, split: bool) -> bool:
     return not split and geo.kv_kind == "packed" and ws_bulk(geo, split, ws_block(geo, split))
 
 
+# Most heads at which the launch plan runs the transposed consumers: (prefill kernel, split kernel). Measured (H100,
+# BENCHMARKS.md, T 4096 k 2048, one call): DeepSeek bf16 prefill 1520 against 1834 us at 8 heads, but 2015 against
+# 1855 at 16 (3215 at 32, where 64 heads take 2090); packed decode T 1 10.6 against 11.4 us at 16 heads. The
+# transposed consumer's cost grows with the heads: TileLang's reductions over the score rows take a shared-memory
+# round and a barrier per column a thread holds (hb / 4 of them, twice a block), and P^T is stored column by column.
+TRANSPOSED_PLAN_HEADS = (8, 16)
+
+
 def ws_transposed(geo: AttnGeometry, split: bool) -> bool:
     """Whether the warp-specialized kernels of ``geo`` run the transposed consumers: at most
     :data:`~csrc_tl.sparse_attn.geometry.TRANSPOSED_MAX_HEADS` heads (a tensor-parallel shard: 8 to 32 heads per GPU).
@@ -222,8 +230,10 @@ def ws_transposed(geo: AttnGeometry, split: bool) -> bool:
     a reduction over the rows of the scores. The producers are unchanged: at few heads they bound the kernel.
 
     Needs 64-row blocks (:func:`ws_block`): TileLang 0.1.15 cannot reduce the rows of a 128-row transposed score
-    fragment (two M tiles per thread), so the prefills of 256-wide rows keep the plain consumers."""
-    return geo.heads <= TRANSPOSED_MAX_HEADS and ws_supported(geo) and ws_block(geo, split) == 64
+    fragment (two M tiles per thread), so the prefills of 256-wide rows keep the plain consumers. Used up to
+    :data:`TRANSPOSED_PLAN_HEADS` heads (prefill, split kernel): the measured crossover."""
+    most = TRANSPOSED_PLAN_HEADS[1 if split else 0]
+    return geo.heads <= most and ws_supported(geo) and ws_block(geo, split) == 64
 
 
 def ws_paired_fits(geo: AttnGeometry, block_i: int) -> bool:
