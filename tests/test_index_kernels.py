@@ -23,7 +23,6 @@ from csrc_tl import index as ix
 FP8 = torch.float8_e4m3fn
 INT_MIN, INT_MAX = -(2**31), 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-TARGETS = {"cuda": {"kind": "cuda", "arch": "sm_90a"}, "hip": {"kind": "hip", "mcpu": "gfx950"}}
 D = 128
 # Values of the exact logits data: every product of two of them is a multiple of 1/4 of magnitude at most 4, so a
 # dot of 128 products is a multiple of 1/4 below 2^9 in magnitude and exact in any adder of 11 or more bits, the FP8
@@ -44,12 +43,10 @@ FP8_DOT_REL = 2.0**-9
 
 @functools.cache
 def lowered(key, target: str) -> str:
-    """The device source of ``key``'s kernel for ``target`` (lowered once per process)."""
-    import tilelang
-    from tilelang import tvm
+    """The device source of ``key``'s kernel for ``target``, lowered as the build lowers it (once per process)."""
+    from sparse_dsa_ops import _cuda
 
-    with tvm.target.Target(TARGETS[target]) as tgt:
-        return tilelang.lower(build(key), target=tgt).kernel_source
+    return _cuda.lower_source(key, target)
 
 
 def build(key):

@@ -17,7 +17,6 @@ import torch
 from csrc_tl import topk
 from tests.oracle import INT_MAX, INT_MIN
 
-TARGETS = {"cuda": {"kind": "cuda", "arch": "sm_90a"}, "hip": {"kind": "hip", "mcpu": "gfx950"}}
 NVCC = shutil.which("nvcc")
 WIDTH = 20000  # columns of the GPU cases: more than a list (8192) holds, so every path of the kernels runs
 PAGE = 64
@@ -26,13 +25,10 @@ POISON = -7  # what the outputs hold before a call: every entry must be written
 
 @functools.cache
 def source(key, target: str) -> str:
-    """The generated kernel source of ``key`` for ``target``, lowered with the kernels' pass configs."""
-    import tilelang
-    from tilelang import tvm
+    """The generated kernel source of ``key`` for ``target``, lowered as the build lowers it."""
+    from sparse_dsa_ops import _cuda
 
-    build = topk.build_topk_rows if isinstance(key, topk.TopkKey) else topk.build_topk_split
-    with tvm.transform.PassContext(config=topk.pass_configs(key)), tvm.target.Target(TARGETS[target]) as tgt:
-        return tilelang.lower(build(key), target=tgt).kernel_source
+    return _cuda.lower_source(key, target)
 
 
 def signature(src: str) -> str:

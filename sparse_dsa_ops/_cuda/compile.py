@@ -20,8 +20,19 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["TARGETS", "register_builder", "program", "pass_configs", "lower_source", "kernel", "warmup"]
+__all__ = [
+    "TARGETS",
+    "register_builder",
+    "program",
+    "pass_configs",
+    "lower",
+    "lower_source",
+    "device_target",
+    "kernel",
+    "warmup",
+]
 
+# The targets ``source`` and CI lower for; the runtime builds for its kind's entry with the current GPU's arch.
 TARGETS = {"cuda": {"kind": "cuda", "arch": "sm_90a"}, "hip": {"kind": "hip", "mcpu": "gfx950"}}
 
 
@@ -56,14 +67,24 @@ def pass_configs(key) -> dict:
     return _builder(key).pass_configs(key)
 
 
-def lower_source(key, target: str) -> str:
-    """Generated kernel source of ``key`` for ``target`` ('cuda' = sm_90a, 'hip' = gfx950); needs no GPU."""
+def lower(key, target: str):
+    """TileLang's lowering of ``key`` for ``target`` ('cuda' = sm_90a, 'hip' = gfx950) exactly as the build lowers
+    it (a ``CompiledArtifact``); needs no GPU."""
     import tilelang
     from tilelang import tvm
 
-    tgt = tvm.target.Target(TARGETS[target])
-    with tgt:
-        return tilelang.lower(program(key), target=tgt).kernel_source
+    func = program(key)
+    # the context TileLang's JIT lowers in (tilelang/jit/kernel.py): optimization level 3, the kernel's pass configs,
+    # the target current
+    configs = tvm.transform.PassContext(opt_level=3, config=pass_configs(key))
+    with configs, tvm.target.Target(TARGETS[target]) as tgt:
+        return tilelang.lower(func, target=tgt)
+
+
+def lower_source(key, target: str) -> str:
+    """Generated kernel source of ``key`` for ``target`` ('cuda' = sm_90a, 'hip' = gfx950), the source the build
+    compiles; needs no GPU."""
+    return lower(key, target).kernel_source
 
 
 _KERNELS: dict[Hashable, Callable] = {}
@@ -73,6 +94,17 @@ _LOCK = threading.Lock()
 def target() -> str:
     """This process's kernel target: 'hip' on ROCm builds of torch, else 'cuda'."""
     return "hip" if torch.version.hip else "cuda"
+
+
+def device_target() -> dict:
+    """The TileLang target this process builds for: its kind's :data:`TARGETS` entry with the current GPU's arch,
+    named as TileLang's own detection names it (sm_90a on an H100 or H200, gfx950 on an MI350 or MI355)."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    if target() == "hip":
+        return {**TARGETS["hip"], "mcpu": props.gcnArchName.split(":")[0]}
+    from tilelang.contrib import nvcc
+
+    return {**TARGETS["cuda"], "arch": f"sm_{nvcc.get_target_arch((props.major, props.minor))}"}
 
 
 @functools.cache
@@ -90,7 +122,8 @@ def _compile(key, func=None) -> Callable:
     """Lower and build ``key`` (from its already elaborated program ``func`` if given)."""
     import tilelang
 
-    return tilelang.compile(program(key) if func is None else func, target=target(), pass_configs=pass_configs(key))
+    func = program(key) if func is None else func
+    return tilelang.compile(func, target=device_target(), pass_configs=pass_configs(key))
 
 
 def kernel(key) -> Callable:
