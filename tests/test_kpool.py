@@ -531,8 +531,8 @@ def test_cuda_store_matches_reference(warm, pools):
     differ = got != want
     assert differ.float().mean() <= 1e-3
     a, b = dequantized_rows(got, 16), dequantized_rows(want, 16)
-    written = b.isfinite()
-    assert ((a - b).abs()[written] <= 2.0**-3 * b.abs()[written] + 2.0**-9 * b.abs().amax()).all()
+    written = b.isfinite()  # (the random bytes of rows nothing writes may decode to NaN or inf)
+    assert ((a - b).abs()[written] <= 2.0**-3 * b.abs()[written] + 2.0**-9 * b.abs()[written].amax()).all()
 
 
 @pytest.mark.cuda
