@@ -209,6 +209,10 @@ def test_every_target_names_a_bench_case(h200):
         "topk k2048 of 128K, 64 rows": (">=", 0.70, "of copy"),
         "topk k2048 of 64K, 4096 rows causal": (">=", 0.70, "of copy"),
     }
+    # the k-pool ops: a store at 80% of the copy, one pool row of 8192 pools in 10 us, many rows at 60% of the copy
+    want["kpool_store_index_k 64K pools of 16"] = (">=", 0.8, "of copy")
+    want["kpool_topk k128 of 8192 pools of 16, 1 rows"] = ("<=", 10.0, "us")
+    want["kpool_topk k128 of 8192 pools of 16, 64 rows"] = (">=", 0.6, "of copy")
     assert targets() == want
 
 
