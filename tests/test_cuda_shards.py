@@ -7,7 +7,6 @@ import torch
 
 import sparse_dsa_ops as dsa
 from sparse_dsa_ops import reference
-
 from tests.test_cuda import attn_inputs, check_attn, check_sink_and_max, cuda, gen, kernel_kind, run_both
 
 pytestmark = pytest.mark.cuda

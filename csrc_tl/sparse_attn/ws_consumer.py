@@ -87,7 +87,9 @@ def _score_macros(plan: WsPlan) -> SimpleNamespace:
         else:
             T.gemm(p_s, v_half, acc_o)
 
-    return SimpleNamespace(score=score, score_half=score_half, stage_q=stage_q, score_stage=score_stage, pv_half=pv_half)
+    return SimpleNamespace(
+        score=score, score_half=score_half, stage_q=stage_q, score_stage=score_stage, pv_half=pv_half
+    )
 
 
 def _consume0_paired(plan: WsPlan, items: SimpleNamespace, scores: SimpleNamespace) -> SimpleNamespace:
@@ -201,10 +203,10 @@ def _consume0_paired(plan: WsPlan, items: SimpleNamespace, scores: SimpleNamespa
 
 
 def _consume0_single(plan: WsPlan, items: SimpleNamespace, scores: SimpleNamespace) -> SimpleNamespace:
-    """Consumer warpgroup 0 of the single scheme (transposed or not: :func:`~csrc_tl.sparse_attn.plan.ws_transposed`)."""
+    """Consumer warpgroup 0 of the single scheme (plain or transposed: :func:`~csrc_tl.sparse_attn.ws_transposed`)."""
     geo, split, block_i, hb, persist = plan.geo, plan.split, plan.block_i, plan.hb, plan.persist
     copies_async, scale2, sink_max, transposed = plan.copies_async, plan.scale2, plan.sink_max, plan.transposed
-    d_tail, heads = geo.d_rope, geo.heads
+    heads = geo.heads
     acc = T.float32
     work, work_items, global_block = items.work, items.work_items, items.global_block
     stage_q, score_stage, pv_half = scores.stage_q, scores.score_stage, scores.pv_half

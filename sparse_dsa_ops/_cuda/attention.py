@@ -561,6 +561,9 @@ def _shard_cases() -> list[dict]:
         for heads in (8, 16, 128):
             name = f"tp decode deepseek packed T{tokens} S65536 H{heads} k2048"
             cases.append(_attn_case(name, "packed", 512, 64, heads, tokens, 65536, 2048))
-    cases.append(_attn_case("tp decode deepseek packed T1 S65536 H16 k2048 plain", "packed", 512, 64, 16, 1, 65536,
-                            2048, plain=True))
+    cases.append(
+        _attn_case(
+            "tp decode deepseek packed T1 S65536 H16 k2048 plain", "packed", 512, 64, 16, 1, 65536, 2048, plain=True
+        )
+    )
     return cases
