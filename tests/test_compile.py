@@ -5,6 +5,8 @@ The build runs for real up to the device compiler (nvcc or hipcc), which is inte
 is compared with what ``python -m sparse_dsa_ops source`` prints, for one kernel of every family and both targets.
 """
 
+import re
+
 import pytest
 import torch
 import tvm_ffi
@@ -65,7 +67,14 @@ def test_source_prints_what_the_build_compiles(family, target, monkeypatch):
     # the first kernel `source` prints for the family's first op; the kernels with pass configs of their own (top-k,
     # the warp-specialized attention) are where a lowering without them differed
     key = cli_keys(["--op", family.SOURCE_OPS[0], "--target", target])[0]
-    assert built_source(key, target, monkeypatch) == _cuda.lower_source(key, target)
+    assert numbered_alike(built_source(key, target, monkeypatch)) == numbered_alike(_cuda.lower_source(key, target))
+
+
+def numbered_alike(source: str) -> str:
+    """``source`` with the numbers TileLang appends to repeated names dropped: in a process that has lowered other
+    kernels before, one lowering of a kernel can name a buffer ``workspace_1`` where the next names it ``workspace``
+    (seen in CI's sweep). Pass configs and targets change what the code does, not only such names."""
+    return re.sub(r"\b([A-Za-z_]\w*?)_\d+\b", r"\1", source)
 
 
 @pytest.mark.parametrize(
