@@ -54,6 +54,11 @@ INDEX_SCALE_BYTES = 4  # one float32 scale per index-K row
 INDEX_HEAD_DIM = 128  # the indexer head dim of every known model: D of a 2-d index-K cache when not given
 MAX_TOPK = 4096  # the largest k of dsa.topk
 STRIDE_ALIGN = 16  # bytes: a pool that is only read may have rows or pages this far apart (or whole rows)
+# sparse_attn's geometry limits, the GPU kernels' (a head block fills at most 128 MMA rows; V is read in 64-wide
+# tiles; the RoPE tail in 16-wide MMA steps), checked for every backend so code that runs on a CPU runs on a GPU
+MAX_HEADS = 128
+D_V_MULTIPLE = 64
+D_ROPE_MULTIPLE = 16
 
 _LIB = torch.library.Library(NAMESPACE, "DEF")
 
@@ -486,6 +491,12 @@ def check_sparse_attn(q, kv, indices, sm_scale, d_v, topk_length=None, attn_sink
             )
     elif view.width != d_qk:
         _fail(op, "kv", f"rows of width d_qk = {d_qk} like q", kv)
+    if q.shape[1] > MAX_HEADS:
+        _fail(op, "q", f"[T, H, d_qk] with at most {MAX_HEADS} heads H (split the heads over calls)", q)
+    if d_v % D_V_MULTIPLE:
+        _fail(op, "d_v", f"a multiple of {D_V_MULTIPLE}", d_v)
+    if (d_qk - d_v) % D_ROPE_MULTIPLE:
+        _fail(op, "q", f"[T, H, d_qk] with the RoPE tail d_qk - d_v = {d_qk - d_v} a multiple of {D_ROPE_MULTIPLE}", q)
     indices = _tensor(op, "indices", indices, (torch.int32,), (2, 3), kv.device)
     if indices.shape[0] != q.shape[0] or (indices.dim() == 3 and indices.shape[1] != 1):
         _fail(op, "indices", f"[T, K] or [T, 1, K] with T = {q.shape[0]} like q", indices)
@@ -546,6 +557,7 @@ def sparse_attn(
     Parameters
     ----------
     q : [T, H, d_qk] bfloat16 (or float8_e4m3fn when kv is FP8 or packed)
+        At most 128 heads; the RoPE tail d_qk - d_v a multiple of 16 (0 for none).
     kv : the pool, flat ``[S, D]`` / ``[S, 1, D]`` or paged ``[P, page, D]`` / ``[P, page, 1, D]``
         bfloat16 with D = d_qk; float8_e4m3fn with D = d_qk (raw values, unit scale); or packed FP8 rows
         (uint8, int8 or float8_e4m3fn) with D = ``KCacheLayout(d_v, d_qk - d_v).row_bytes`` (d_v = d_nope).
@@ -558,7 +570,7 @@ def sparse_attn(
     sm_scale : float
         Softmax scale applied to ``q . k`` (natural-log base, not pre-multiplied by log2 e).
     d_v : int
-        Value width: V is the first d_v columns of each selected row.
+        Value width, a multiple of 64: V is the first d_v columns of each selected row.
     topk_length : [T] int32 or None
         Only the first ``topk_length[t]`` entries of row t count.
     attn_sink : [H] float32 or None

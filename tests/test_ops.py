@@ -305,6 +305,24 @@ BAD_CALLS = {
         ValueError,
         r"d_v must be an int in \[1, d_qk = 256\]",
     ),
+    "attn-heads": (
+        dsa.sparse_attn,
+        (_z(2, 129, 256), _z(8, 256), _z(2, 64, dtype=I32), 0.1, 256),
+        ValueError,
+        "at most 128 heads",
+    ),
+    "attn-dv-multiple": (
+        dsa.sparse_attn,
+        (_z(2, 8, 256), _z(8, 256), _z(2, 64, dtype=I32), 0.1, 96),
+        ValueError,
+        "d_v must be a multiple of 64, got 96",
+    ),
+    "attn-rope-tail": (
+        dsa.sparse_attn,
+        (_z(2, 8, 264), _z(8, 264), _z(2, 64, dtype=I32), 0.1, 256),
+        ValueError,
+        "RoPE tail d_qk - d_v = 8 a multiple of 16",
+    ),
     "attn-idx-dtype": (
         dsa.sparse_attn,
         (_z(2, 8, 256), _z(8, 256), _z(2, 64, dtype=torch.int64), 0.1, 256),
