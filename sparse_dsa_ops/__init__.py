@@ -5,7 +5,9 @@ The ops run pure-Torch code on the CPU (``reference.py``, also the test oracle) 
 See ``ops.py`` for the contract of each op and ``flash_mla`` for FlashMLA's sparse entry points over them.
 """
 
-from . import _cuda, reference
+import importlib
+
+from . import reference
 from .kpool import kpool_store_index_k, kpool_topk
 from .layout import KCacheLayout
 from .ops import (
@@ -28,7 +30,14 @@ from .ops import (
 )
 
 register_backend("cpu", reference)
-register_backend("cuda", _cuda)  # also serves ROCm builds of torch (device type "cuda")
+# Also serves ROCm builds of torch (device type "cuda"). Imported on the first op on a GPU: it loads TileLang.
+register_backend("cuda", f"{__name__}._cuda")
+
+
+def __getattr__(name: str):
+    if name == "_cuda":  # ``sparse_dsa_ops._cuda`` without importing it first
+        return importlib.import_module(f"{__name__}._cuda")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def warmup(
@@ -67,6 +76,8 @@ def warmup(
     ``topk_k`` the top-k kernels of that k (``index_topk`` runs kernels of both). ``workers`` threads build kernels
     at once.
     """
+    from . import _cuda
+
     keys = _cuda.attention.warmup_keys(heads, d_nope, d_rope, sm_scale, kv_kinds, fp8_q, topk_length, attn_sink)
     if cache_ops:
         keys += _cuda.k_cache.warmup_keys(KCacheLayout(d_nope, d_rope), round_scale, slot_dtypes)

@@ -14,6 +14,8 @@ R query rows of a paged batch, P pages of ``page`` tokens.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -99,25 +101,43 @@ def takes_checked(impl: Callable) -> Callable:
     return impl
 
 
-def register_backend(device_type: str, module: ModuleType) -> None:
+def register_backend(device_type: str, module: ModuleType | str) -> None:
     """Attach, for ``device_type``, each declared op's implementation: the function of the op's name in ``module``.
 
     Each runs after the shared checker; a backend never checks arguments itself. A function marked with
     :func:`takes_checked` receives the checker's result (e.g. :class:`AttnArgs`) before the op's arguments.
+    ``module`` given by its import name is imported on the first call of one of its ops (the GPU backend imports
+    TileLang, which a process that never runs an op on that device need not load); every declared op is then
+    attached, and one the module lacks raises ``NotImplementedError`` when called.
     """
     key = device_type.upper() if device_type in ("cpu", "cuda") else device_type
     for name, op in OPS.items():
-        impl = getattr(module, name, None)
-        if impl is not None:
-            _LIB.impl(name, _checked(op, impl, f"{name}_{device_type}"), key)
+        if isinstance(module, str):
+            load = functools.partial(_import_impl, module, name, device_type)
+        elif getattr(module, name, None) is not None:
+            load = functools.partial(getattr, module, name)
+        else:
+            continue
+        _LIB.impl(name, _checked(op, load, f"{name}_{device_type}"), key)
 
 
-def _checked(op: OpDef, impl: Callable, name: str) -> Callable:
-    """``impl`` behind ``op``'s checker."""
-    pass_checked = getattr(impl, "takes_checked", False)
+def _import_impl(module: str, name: str, device_type: str) -> Callable:
+    impl = getattr(importlib.import_module(module), name, None)
+    if impl is None:
+        raise NotImplementedError(f"dsa.{name}: no implementation on {device_type} ({module} has none)")
+    return impl
+
+
+def _checked(op: OpDef, load: Callable[[], Callable], name: str) -> Callable:
+    """The implementation ``load()`` returns (looked up on the first call) behind ``op``'s checker."""
+    impl, pass_checked = None, False
 
     def checked(*args, **kwargs):
+        nonlocal impl, pass_checked
         info = op.check(*args, **kwargs)
+        if impl is None:
+            impl = load()
+            pass_checked = getattr(impl, "takes_checked", False)
         return impl(info, *args, **kwargs) if pass_checked else impl(*args, **kwargs)
 
     checked.__name__ = name

@@ -1,11 +1,26 @@
 """The torch.library contract: schemas, opcheck, torch.compile and the argument checker."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import sparse_dsa_ops as dsa
 from sparse_dsa_ops.ops import SCHEMAS
+
+
+def test_import_does_not_load_tilelang():
+    # the GPU backend (and TileLang under it) loads on the first op on a GPU, not when the package is imported
+    code = (
+        "import sys, torch, sparse_dsa_ops as dsa; "
+        "dsa.quant_k_cache(torch.zeros(2, 512, dtype=torch.bfloat16)); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'tilelang' or m.endswith('._cuda')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
 
 
 def test_schemas_are_exact():
