@@ -1,13 +1,17 @@
 """``python -m sparse_dsa_ops [check | source | bench]``.
 
 * ``check`` (the default): the environment, then every op at the DeepSeek V3.2 and GLM-5.3-Flash
-  geometries on the best device available (a CUDA GPU if there is one, else the CPU, where the ops
-  *are* the reference), checked against the reference, as a table.
+  geometries, as a table. On a CUDA GPU each op's kernels are checked against the reference run on the CPU.
+  On the CPU the ops *are* the reference, so there it checks only each op's contract: that it is registered,
+  accepts valid inputs, and that its fake kernel (what ``torch.compile`` traces) gives the shapes and dtypes it
+  returns.
 * ``source``: the generated TileLang kernel source of an op for one geometry, for CUDA (sm_90a) or
   HIP (gfx950); needs no GPU.
 * ``bench``: GPU timings with CUDA-graph replay beside a bf16 matmul and a device copy measured in
-  the same run, and each target of DESIGN.md met or missed by how much (``--rounds N``: the median and the
+  the same run, and each target of docs/design.md met or missed by how much (``--rounds N``: the median and the
   range of N timings).
+
+A mistake in the arguments ends in one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -25,9 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import reference
+from . import ops, reference
 from .kpool import kpool_width
-from .layout import KCacheLayout
+from .layout import QUANT_TILE, KCacheLayout
 
 # DeepSeek-V3.2 and GLM-5.3-Flash (its public config): d_nope, d_rope, heads
 GEOMETRIES = {"deepseek": (512, 64, 128), "glm": (512, 0, 64)}
@@ -445,12 +449,30 @@ def _compare(got: torch.Tensor, want: torch.Tensor, exact: bool) -> tuple[bool, 
     return err <= 1e-2, f"rel L2 {err:.1e}"
 
 
+def _fake_matches(case: Case, inputs: tuple, got: torch.Tensor) -> tuple[bool, str]:
+    """Whether the op's fake kernel, run on fake copies of ``inputs``, gives ``got``'s shape and dtype."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fake = _first(case.run(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in inputs)))
+    if (fake.shape, fake.dtype) != (got.shape, got.dtype):
+        return False, f"fake kernel gives {fake.dtype} {list(fake.shape)}, the op {got.dtype} {list(got.shape)}"
+    return True, "fake kernel agrees"
+
+
 def check(device: torch.device) -> int:
-    """Run every op on ``device`` against the reference on the CPU; print a table; return failures."""
+    """Run every op on ``device`` against the reference on the CPU (on the CPU, where the ops are the reference,
+    against their fake kernels); print a table; return failures."""
     for key, value in environment():
         print(f"{key:<10}{value}")
     print()
     on_cpu = device.type == "cpu"
+    if on_cpu:
+        print(
+            "No GPU: the ops run the reference itself, so this checks each op's contract on the CPU (it is\n"
+            "registered, accepts these inputs, and its fake kernel, what torch.compile traces, gives the shapes and\n"
+            "dtypes it returns), not the GPU kernels. Run it on a GPU to check those against the reference.\n"
+        )
     cases = _check_cases(on_cpu)
     if not on_cpu:
         _warm_up_check(cases, device)
@@ -460,10 +482,12 @@ def check(device: torch.device) -> int:
         inputs = case.make(gen)
         try:
             got = _first(case.run(*_to(inputs, device))).cpu()
-            ok, detail = _compare(got, _first(case.ref(*inputs)), case.exact)
+            ok, detail = (
+                _fake_matches(case, inputs, got) if on_cpu else _compare(got, _first(case.ref(*inputs)), case.exact)
+            )
             dev_inputs = _to(inputs, device)
             ms = _time_ms(lambda c=case, a=dev_inputs: c.run(*a), device, 3 if on_cpu else 20)
-            status = ("ok" if ok else "FAIL") + (" (reference backend)" if on_cpu else f" ({detail})")
+            status = f"{'ok' if ok else 'FAIL'} ({detail})"
         except Exception as err:  # report every op, even after one fails
             ok, ms, status = False, float("nan"), f"ERROR {type(err).__name__}: {err}"
         failures += not ok
@@ -478,6 +502,25 @@ def _source_families() -> dict:
     from . import _cuda
 
     return {op: family for family in _cuda.FAMILIES for op in family.SOURCE_OPS}
+
+
+def _source_errors(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``source``'s geometry arguments (the ops' limits), or None."""
+    if args.d_nope <= 0 or args.d_nope % QUANT_TILE:
+        return f"--d-nope must be a positive multiple of {QUANT_TILE}, got {args.d_nope}"
+    if args.d_rope < 0 or args.d_rope % ops.D_ROPE_MULTIPLE:
+        return f"--d-rope must be 0 or a positive multiple of {ops.D_ROPE_MULTIPLE}, got {args.d_rope}"
+    if not 1 <= args.heads <= ops.MAX_HEADS:
+        return f"--heads must be in 1..{ops.MAX_HEADS}, got {args.heads}"
+    if args.index_dim <= 0 or args.index_dim % ops.INDEX_DIM_MULTIPLE:
+        return f"--index-dim must be a positive multiple of {ops.INDEX_DIM_MULTIPLE}, got {args.index_dim}"
+    if args.page < 0:
+        return f"--page must be 0 or more, got {args.page}"
+    if not 1 <= args.k <= ops.MAX_TOPK:
+        return f"--k must be in 1..{ops.MAX_TOPK}, got {args.k}"
+    if args.op == "sparse_attn" and args.q == "fp8" and args.kv == "bf16":
+        return "--q fp8 needs --kv fp8 or --kv packed"
+    return None
 
 
 def source(args: argparse.Namespace) -> int:
@@ -645,10 +688,13 @@ def bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sparse_dsa_ops", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m sparse_dsa_ops",
+        description="DeepSeek sparse attention ops: a self-check, the generated kernel sources and GPU timings.",
+    )
     sub = parser.add_subparsers(dest="command")
     p_check = sub.add_parser("check", help="environment and a self-check of every op (the default)")
-    p_check.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p_check.add_argument("--device", default=None, choices=("cpu", "cuda"), help="default: cuda if available")
     p_src = sub.add_parser("source", help="print the generated kernel source of an op (no GPU needed)")
     p_src.add_argument("--op", required=True, choices=tuple(_source_families()))
     p_src.add_argument(
@@ -671,8 +717,12 @@ def main(argv: list[str] | None = None) -> int:
         "--page", type=int, default=64, help="tokens a page of the index-K cache, or of top-k's page table (0: none)"
     )
     p_src.add_argument("--k", type=int, default=2048, help="k of topk")
-    p_src.add_argument("--round-scale", action="store_true")
-    p_src.add_argument("--slot-dtype", default="int32", choices=("int32", "int64"))
+    p_src.add_argument(
+        "--round-scale", action="store_true", help="the cache ops' variant that rounds scales up to powers of two"
+    )
+    p_src.add_argument(
+        "--slot-dtype", default="int32", choices=("int32", "int64"), help="dtype of the slot ids the cache ops take"
+    )
     p_src.add_argument("--target", default="cuda", choices=("cuda", "hip"), help="cuda = sm_90a, hip = gfx950")
     p_bench = sub.add_parser("bench", help="GPU timings with CUDA-graph replay")
     p_bench.add_argument("--json", default=None, help="also write the rows to this file")
@@ -690,11 +740,16 @@ def main(argv: list[str] | None = None) -> int:
         p_bench.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.command in (None, "check"):
         name = getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
+        if name == "cuda" and not torch.cuda.is_available():
+            p_check.error("--device cuda: torch sees no CUDA GPU here (use --device cpu)")
         return 1 if check(torch.device(name)) else 0
     if args.command == "source":
-        if args.op == "sparse_attn" and args.q == "fp8" and args.kv == "bf16":
-            p_src.error("--q fp8 needs --kv fp8 or --kv packed")
-        return source(args)
+        if problem := _source_errors(args):
+            p_src.error(problem)
+        try:
+            return source(args)
+        except (AssertionError, ValueError) as err:  # a kernel's own precondition, with its reason
+            p_src.error(f"no {args.op} kernel for these arguments: {err}")
     return bench(args)
 
 

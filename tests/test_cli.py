@@ -13,6 +13,8 @@ def test_check_prints_every_op_on_the_cpu():
     assert run.returncode == 0, run.stderr
     out = run.stdout
     assert "torch" in out and "tilelang" in out and "device" in out
+    # on the CPU the ops are the reference: the check says it checks their contract, not the kernels
+    assert "contract on the CPU" in out and "not the GPU kernels" in out
     table = out.split("-----", 1)[1].splitlines()
     checked = {line.split()[0] for line in table if line.strip() and not line.startswith("-")}
     assert checked >= set(OPS), f"the check leaves out {sorted(set(OPS) - checked)}"
@@ -63,6 +65,65 @@ def test_unknown_command_exits_with_usage(capsys):
     with pytest.raises(SystemExit):
         main(["frobnicate"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+MISTAKES = {
+    "d-nope": (["source", "--op", "sparse_attn", "--d-nope", "500"], "--d-nope must be a positive multiple of 128"),
+    "d-rope": (["source", "--op", "sparse_attn", "--d-rope", "8"], "--d-rope must be 0 or a positive multiple of 16"),
+    "heads": (["source", "--op", "index_logits", "--heads", "129"], "--heads must be in 1..128, got 129"),
+    "index-dim": (["source", "--op", "quant_index", "--index-dim", "100"], "--index-dim must be a positive multiple"),
+    "k": (["source", "--op", "topk", "--k", "5000"], "--k must be in 1..4096, got 5000"),
+    "fp8-q": (["source", "--op", "sparse_attn", "--q", "fp8"], "--q fp8 needs --kv fp8 or --kv packed"),
+    "op": (["source", "--op", "attention"], "argument --op: invalid choice: 'attention'"),
+    "device": (["check", "--device", "gpu"], "argument --device: invalid choice: 'gpu'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MISTAKES))
+def test_a_mistake_ends_in_one_line_and_exit_status_2(capsys, case):
+    argv, message = MISTAKES[case]
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and message in err.splitlines()[-1] and "Traceback" not in err
+
+
+def test_check_on_cuda_without_a_gpu_is_a_mistake(monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as info:
+        main(["check", "--device", "cuda"])
+    assert info.value.code == 2 and "torch sees no CUDA GPU" in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_a_kernel_precondition_is_a_mistake_too(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from sparse_dsa_ops import __main__ as cli
+
+    def source_keys(op, args):
+        raise AssertionError("d_v must be a multiple of 64 (GEMM N/K tiles)")
+
+    monkeypatch.setattr(cli, "_source_families", lambda: {"sparse_attn": SimpleNamespace(source_keys=source_keys)})
+    with pytest.raises(SystemExit) as info:
+        main(["source", "--op", "sparse_attn"])
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert info.value.code == 2 and last.endswith(
+        "no sparse_attn kernel for these arguments: d_v must be a multiple of 64 (GEMM N/K tiles)"
+    )
+
+
+def test_help_is_plain_text(capsys):
+    for argv in (["--help"], ["source", "--help"]):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "``" not in out and ":func:" not in out
+    # every option says what it is for
+    source_help = " ".join(out.split("usage: python -m sparse_dsa_ops source", 1)[1].split())
+    assert "powers of two" in source_help and "slot ids" in source_help
 
 
 def test_format_table_aligns_columns():
@@ -178,7 +239,7 @@ COPY = (">=", 0.85, "of copy")
 
 
 def test_every_target_names_a_bench_case(h200):
-    # DESIGN.md's targets, each on the bench case that measures it
+    # the targets of docs/design.md, each on the bench case that measures it
     from sparse_dsa_ops.__main__ import targets
 
     want = {
