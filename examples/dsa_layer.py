@@ -34,6 +34,9 @@ pools of 16 tokens. Per token:
 graph over static input buffers; :func:`dense_reference` is the layer computed densely in plain torch (the tests'
 oracle); :func:`bench_layer` times one decode step and one prefill stage by stage.
 
+``python -m examples.dsa_layer`` times each public config on a GPU; without one it runs each config at CPU size
+(:func:`cpu_size`, :func:`run_on_cpu`) and checks it against :func:`dense_reference`.
+
 Letters: T query tokens, B requests, H attention heads, C the latent width (kv_lora, 512), R the RoPE width of the
 latent rows (64, or 0), Hi indexer heads, D the indexer head dim (128), P pages of ``page`` slots, W a row of
 index logits, K the top-k width padded to a multiple of 64.
@@ -79,6 +82,8 @@ __all__ = [
     "run_stages",
     "bench_layer",
     "warm_up",
+    "cpu_size",
+    "run_on_cpu",
 ]
 
 FP8_MAX = 448.0  # the largest float8_e4m3fn value
@@ -1047,8 +1052,60 @@ def warm_up(config: DSAConfig) -> None:
     )
 
 
+def cpu_size(config: DSAConfig) -> DSAConfig:
+    """``config`` at a size a CPU runs in seconds: 4 heads and 4 indexer heads, narrow dense projections and a top-k
+    of 48; the latent rows (512 + 64 or 512 + 0), the indexer head dim and the k-pool stay the model's."""
+    return replace(
+        config,
+        name=f"{config.name}-cpu",
+        hidden=256,
+        heads=4,
+        q_lora=128,
+        qk_nope=32,
+        v_head=32,
+        index_heads=4,
+        index_topk=48,
+    )
+
+
+def run_on_cpu(config: DSAConfig, seq_lens: Sequence[int] = (120, 29, 77), decode_steps: int = 2) -> float:
+    """Prefill requests of ``seq_lens`` tokens through the layer of ``config`` on the CPU, then run ``decode_steps``
+    eager decode steps; every request's outputs are recomputed by :func:`dense_reference`. Returns the largest error
+    of an output relative to the largest ``|y|`` of its request's dense twin."""
+    device = torch.device("cpu")
+    layer = DSALayer(config, device, seed=1)
+    cache = PagedCache.allocate(config, len(seq_lens), max(seq_lens) + decode_steps, device, seed=2)
+    gen = torch.Generator().manual_seed(3)
+    worst = 0.0
+
+    def check(history: list[Projection], queries: torch.Tensor, y: torch.Tensor) -> None:
+        nonlocal worst
+        _, _, want = dense_reference(layer, cat_projections(history), queries.long())
+        worst = max(worst, ((y.float() - want.float()).abs().max() / want.float().abs().max()).item())
+
+    x = torch.randn(sum(seq_lens), config.hidden, generator=gen).to(torch.bfloat16)
+    batch = prefill_batch(seq_lens, device)
+    y, _ = layer.prefill(x, batch, cache)
+    proj = layer.project(x, batch.positions)
+    history = []
+    for rows in torch.arange(x.shape[0]).split(list(seq_lens)):
+        history.append([Projection(*(None if f is None else f[rows] for f in proj))])
+        check(history[-1], batch.positions[rows], y[rows])
+    positions = torch.tensor(seq_lens, dtype=torch.int32)
+    for _ in range(decode_steps):
+        x = torch.randn(len(seq_lens), config.hidden, generator=gen).to(torch.bfloat16)
+        y, _ = layer.decode(x, positions, cache.kv, cache.index_k, cache.page_table, cache.index_stage)
+        proj = layer.project(x, positions)
+        for b in range(len(seq_lens)):
+            history[b].append(Projection(*(None if f is None else f[b : b + 1] for f in proj)))
+            check(history[b], positions[b : b + 1], y[b : b + 1])
+        positions += 1
+    return worst
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m examples.dsa_layer [--config NAME ...]``: print :func:`bench_layer`'s table per config."""
+    """``python -m examples.dsa_layer [--config NAME ...]``: print :func:`bench_layer`'s table per config; without a
+    GPU, run each config at CPU size against the dense twin instead."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", action="append", choices=sorted(CONFIGS), help="default: every config")
     parser.add_argument("--decode-batch", type=int, default=64)
@@ -1056,6 +1113,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--prefill-tokens", type=int, default=8192)
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("No CUDA GPU: each config runs at CPU size (4 heads, top-k 48, its own latent rows) instead of timed.")
+        for name in args.config or sorted(CONFIGS):
+            c = cpu_size(CONFIGS[name])
+            err = run_on_cpu(c)
+            print(
+                f"{name}: prefill of 3 requests, 2 decode steps, {c.kv_lora}+{c.d_rope} latent rows: outputs within "
+                f"{err:.1e} of max |y| of the dense plain-torch layer"
+            )
+        return
     for name in args.config or sorted(CONFIGS):
         warm_up(CONFIGS[name])
         figures = bench_layer(

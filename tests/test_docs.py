@@ -1,9 +1,10 @@
-"""The documents: the README's quick start runs as written, no file of the repository uses a word the project
-keeps out of it, and the documents cite only paths that exist in the repository."""
+"""The documents: the README's quick start and the example run as written, no file of the repository uses a word
+the project keeps out of it, and the documents cite only paths that exist in the repository."""
 
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,18 @@ def test_readme_quick_start_runs_on_the_gpu():
     assert namespace["device"] == "cuda" and namespace["out"].is_cuda
     assert isinstance(namespace.get("graph"), torch.cuda.CUDAGraph), "the quick start did not capture its graph"
     assert namespace["graph_out"].is_cuda
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the example times the public configs")
+def test_example_runs_small_on_the_cpu():
+    command = [sys.executable, "-m", "examples.dsa_layer", "--config", "glm-5.3-flash", "--config", "deepseek-v3.2"]
+    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith("No CUDA GPU") and len(lines) == 3
+    for line, rows in zip(lines[1:], ("512+0", "512+64")):
+        err = float(re.search(r"within (\S+) of max", line).group(1))
+        assert f"{rows} latent rows" in line and err < 2**-7  # bfloat16 rounding of the output
 
 
 def repository_files() -> list[Path]:
