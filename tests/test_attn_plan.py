@@ -195,11 +195,15 @@ def test_ws_supported(geo, ok):
 
 
 def test_device_helper_sections():
-    names = ("row_sums", "convert", "widen", "copy", "bulk", "put_bf16", "bar_sync", "copy16", "ld_index")
+    names = ("row_sums", "convert", "widen", "copy", "bulk", "put_bf16", "bar_sync", "copy16", "ld_index", "col_stats")
     sections = device.sections()
     assert tuple(sections) == names
     assert all(text.endswith("\n") and "// section:" not in text for text in sections.values())
     assert device.WS_STORE.count("dsa_bar_sync(int id") == 1 and device.WS_PERSIST.count("dsa_bar_sync(int id") == 1
+    # the transposed consumers' column statistics call the named barrier: exactly one definition in every prelude
+    for split in (False, True):
+        plan = ws_plan(AttnGeometry(512, 64, 16, "packed", False, 0.1), split=split, transposed=True)
+        assert plan.prelude.count("dsa_bar_sync(int id") == 1 and "dsa_col_max_update" in plan.prelude
 
 
 @pytest.mark.parametrize("c", CASES, ids=str)
@@ -253,15 +257,15 @@ PERSISTENT_132 = AttnKernels(PERSISTENT, 132, WARP_SPECIALIZED, 64, pdl=True)
             False,
             AttnLaunch(AttnKernels(PORTABLE, 0, PORTABLE, 64, pdl=False), 1, 0, 32),
         ),
-        # a 16-head shard: the warp-specialized split kernel runs the transposed consumers (the prefill the plain
-        # ones) and its partials still have a whole 64-head block; the portable one's 16
+        # a 16-head shard: the warp-specialized kernels run the transposed consumers; the split kernel's partials
+        # still have a whole 64-head block, the portable one's 16
         (
             geometry("packed", 512, 0, heads=16),
             1,
             2048,
             132,
             True,
-            AttnLaunch(AttnKernels(WARP_SPECIALIZED, 0, WARP_SPECIALIZED, 64, True, False, True), 1, 0, 16),
+            AttnLaunch(AttnKernels(WARP_SPECIALIZED, 0, WARP_SPECIALIZED, 64, True, True, True), 1, 0, 16),
         ),
         (
             geometry("packed", 512, 0, heads=16),
@@ -437,13 +441,14 @@ def test_launch_plan_imports_no_torch():
 @pytest.mark.parametrize("d_v, d_rope", [(512, 64), (512, 0), (256, 0)])
 def test_transposed_consumers_at_tensor_parallel_shards(heads, kind, d_v, d_rope):
     # the warp-specialized kernels of 64-row blocks run the transposed consumers (heads as the GEMMs' N, rounded up
-    # to a multiple of 8) up to the measured crossover: 8 heads in the prefill, 16 in the split kernel; the prefills
-    # of 256-wide rows (128-row blocks) keep the plain ones, and so do the portable kernels and a call that asks for
-    # the plain consumers. The kernels are built for up to 32 heads.
+    # to a multiple of 8) up to 32 heads, where the bench measured them faster than the plain ones; the prefills of
+    # 256-wide rows (128-row blocks) keep the plain ones, and so do the portable kernels and a call that asks for
+    # the plain consumers
     geo = geometry(kind, d_v, d_rope, heads=heads)
     kernels = attn_kernels(geo, True, 132)
-    assert kernels.split_transposed == (heads <= TRANSPOSED_PLAN_HEADS[1] == 16)
-    assert kernels.prefill_transposed == (heads <= TRANSPOSED_PLAN_HEADS[0] == 8 and d_v == 512)
+    assert TRANSPOSED_PLAN_HEADS == (TRANSPOSED_MAX_HEADS, TRANSPOSED_MAX_HEADS) == (32, 32)
+    assert kernels.split_transposed == (heads <= 32)
+    assert kernels.prefill_transposed == (heads <= 32 and d_v == 512)
     if heads <= TRANSPOSED_MAX_HEADS:
         plan = ws_plan(geo, split=True, transposed=True)
         assert plan.hb == transposed_head_block(heads) == -(-heads // 8) * 8 and not plan.paired

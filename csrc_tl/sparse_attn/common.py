@@ -57,29 +57,6 @@ def online_softmax(acc_s, acc_o, m_i, m_prev, alpha, sum_i, sumexp, scale2):
 
 
 @T.macro
-def online_softmax_t(acc_s, acc_o, m_i, m_prev, alpha, alpha_s, sum_i, sumexp, scale2):
-    """:func:`online_softmax` over transposed scores ``acc_s [block_i, hb]`` (a column per head) into a transposed
-    output accumulator ``acc_o [width, hb]``: the row statistics become reductions over the rows of ``acc_s``. The
-    rescale factors reach ``acc_o``'s threads through shared memory, ``alpha_s [hb]``: the layout of the reduced
-    ``[hb]`` fragments is the scores' and does not map onto the output accumulator's threads."""
-    block_i, hb = acc_s.shape
-    width = acc_o.shape[0]
-    T.copy(m_i, m_prev)
-    T.reduce_max(acc_s, m_i, dim=0, clear=False)
-    for h in T.Parallel(hb):
-        m_i[h] = T.max(m_i[h], m_prev[h])
-        alpha[h] = T.exp2((m_prev[h] - m_i[h]) * scale2)
-    for j, h in T.Parallel(block_i, hb):
-        acc_s[j, h] = T.exp2(acc_s[j, h] * scale2 - m_i[h] * scale2)
-    T.reduce_sum(acc_s, sum_i, dim=0)
-    for h in T.Parallel(hb):
-        sumexp[h] = sumexp[h] * alpha[h] + sum_i[h]
-    T.copy(alpha, alpha_s)
-    for d, h in T.Parallel(width, hb):
-        acc_o[d, h] = acc_o[d, h] * alpha_s[h]
-
-
-@T.macro
 def reciprocal(dst, sumexp, sink_w=None):
     """``dst[h] = 1 / (sumexp[h] + sink_w[h])`` (``sink_w`` 0 when None), or 0 for an empty row (sumexp 0)."""
     for h in T.Parallel(sumexp.shape[0]):

@@ -52,10 +52,23 @@ WS_STORE = helper("put_bf16", "bar_sync", "copy16")
 WS_PERSIST = "\n" + helper("bar_sync", "ld_index")
 
 
+# The transposed consumers' column statistics (the softmax's max and sum over the rows of S^T), after the named
+# barrier they use where no other helper brings it.
+WS_COL_STATS = helper("col_stats")
+
+
 def prelude(
-    paired: bool, inplace: bool, halves: bool, bulk: bool, calls_widen: bool, split: bool, persist: bool
+    paired: bool,
+    inplace: bool,
+    halves: bool,
+    bulk: bool,
+    calls_widen: bool,
+    split: bool,
+    persist: bool,
+    transposed: bool = False,
 ) -> str | None:
     """The device helpers a warp-specialized kernel of these plan choices calls (see :class:`WsPlan`), or None."""
+    has_bar_sync = split or persist
     return (
         (WS_PRELUDE if paired else "")
         + (WS_COPY if inplace or halves or bulk else "")
@@ -64,4 +77,5 @@ def prelude(
         + (WS_BULK if bulk else "")
         + (WS_STORE if split else "")
         + (WS_PERSIST if persist else "")
+        + ((WS_COL_STATS if has_bar_sync else WS_BAR_SYNC + WS_COL_STATS) if transposed else "")
     ) or None

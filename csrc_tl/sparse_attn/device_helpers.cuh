@@ -139,3 +139,52 @@ __device__ __forceinline__ void dsa_copy16(void* dst, const void* src) {
 }
 // section: ld_index
 __device__ __forceinline__ int dsa_ld_index(const int* indices, long long offset) { return indices[offset]; }
+// section: col_stats
+
+// The transposed consumers' softmax statistics over the rows of a score tile S^T [64, HB] that consumer warpgroup 0
+// holds in wgmma's accumulator layout: a thread's value 4 * b + 2 * r + c is row 16 * warp + lane / 4 + 8 * r,
+// column 8 * b + 2 * (lane % 4) + c. A column's 16 rows in a warp are reduced by shuffles over the eight lanes that
+// share lane % 4 (a fixed order: the result does not vary from run to run), its four warps through red [4 * HB] in
+// shared memory and a named barrier of the warpgroup: one barrier per block for all columns.
+template <int HB, bool kMax>
+__device__ __forceinline__ void dsa_col_reduce(const float* s, float* red, int bar) {
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+#pragma unroll
+  for (int b = 0; b < HB / 8; ++b) {
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      float x = kMax ? fmaxf(s[4 * b + c], s[4 * b + 2 + c]) : s[4 * b + c] + s[4 * b + 2 + c];
+#pragma unroll
+      for (int m = 4; m < 32; m <<= 1) {
+        const float y = __shfl_xor_sync(0xffffffffu, x, m);
+        x = kMax ? fmaxf(x, y) : x + y;
+      }
+      if (lane < 4) red[warp * HB + 8 * b + 2 * lane + c] = x;
+    }
+  }
+  dsa_bar_sync(bar, 128);
+}
+// Thread h < HB folds column h's block max into the running max m[h] and writes alpha[h], the factor the earlier
+// blocks are rescaled by; the warpgroup reads both after the second barrier.
+template <int HB>
+__device__ __forceinline__ void dsa_col_max_update(const float* s, float* red, float* m, float* alpha, float scale2,
+                                                   int bar) {
+  dsa_col_reduce<HB, true>(s, red, bar);
+  const int h = threadIdx.x & 127;
+  if (h < HB) {
+    const float x = fmaxf(fmaxf(red[h], red[HB + h]), fmaxf(red[2 * HB + h], red[3 * HB + h]));
+    const float old = m[h], now = fmaxf(old, x);
+    alpha[h] = exp2f((old - now) * scale2);
+    m[h] = now;
+  }
+  dsa_bar_sync(bar, 128);
+}
+// Thread h < HB folds column h's block sum of probabilities into the running sum sum[h] (rescaled by alpha[h]).
+// red must not be the buffer of dsa_col_max_update: the barriers of each then order the other's reuse.
+template <int HB>
+__device__ __forceinline__ void dsa_col_sum_update(const float* s, float* red, float* sum, const float* alpha,
+                                                   int bar) {
+  dsa_col_reduce<HB, false>(s, red, bar);
+  const int h = threadIdx.x & 127;
+  if (h < HB) sum[h] = sum[h] * alpha[h] + ((red[h] + red[HB + h]) + (red[2 * HB + h] + red[3 * HB + h]));
+}

@@ -13,7 +13,7 @@ Letters: T tokens, H heads, K top-k entries (see :mod:`csrc_tl.sparse_attn`).
 import math
 from dataclasses import dataclass
 
-from .geometry import DEFAULT_TILES, AttnGeometry, head_block, partial_heads
+from .geometry import DEFAULT_TILES, TRANSPOSED_MAX_HEADS, AttnGeometry, head_block, partial_heads
 from .plan import DEFAULT_CTAS, ws_persistent, ws_supported, ws_transposed
 
 __all__ = [
@@ -115,8 +115,8 @@ def attn_kernels(
     None. After a warp-specialized split kernel the combine is its programmatic dependent. At
     :data:`~csrc_tl.sparse_attn.geometry.TRANSPOSED_MAX_HEADS` heads or fewer (a tensor-parallel shard) the
     warp-specialized kernels run the transposed few-heads consumers where they apply
-    (:func:`csrc_tl.sparse_attn.ws_transposed`); ``transposed=False`` asks for the plain ones (the bench's same-run
-    comparison)."""
+    (:func:`csrc_tl.sparse_attn.ws_transposed`); ``transposed=False`` asks for the plain ones, ``True`` for the
+    transposed ones wherever they are built (up to TRANSPOSED_MAX_HEADS heads): the bench's same-run comparison."""
     ws = sm90 and ws_supported(geo)
     if not ws:
         prefill, ctas = PORTABLE, 0
@@ -126,14 +126,15 @@ def attn_kernels(
         prefill, ctas = WARP_SPECIALIZED, 0
     split = WARP_SPECIALIZED if ws else PORTABLE
     few = ws and transposed is not False
+    most = TRANSPOSED_MAX_HEADS if transposed else None
     return AttnKernels(
         prefill,
         ctas,
         split,
         partial_heads(geo.heads, ws),
         pdl=ws,
-        prefill_transposed=few and ws_transposed(geo, split=False),
-        split_transposed=few and ws_transposed(geo, split=True),
+        prefill_transposed=few and ws_transposed(geo, False, most),
+        split_transposed=few and ws_transposed(geo, True, most),
     )
 
 

@@ -104,6 +104,8 @@ def ws_block(geo: AttnGeometry, split: bool) -> int:
     return 128 if geo.kv_kind == "bf16" or ws_staged(geo, 128) else 64
 
 
+# (named barrier id, threads) of consumer warpgroup 0's column statistics in the transposed consumers (dsa_col_stats)
+WS_COL_BARRIER = (12, 128)
 # (named barrier id, threads) of the two consumer warpgroups together, between the work items of a persistent kernel
 WS_CONSUMER_BARRIER = (13, 256)
 # CTAs of a persistent kernel (build_attn_ws, and the launch plan's) unless given: the SM count of an H200 or H100 SXM
@@ -212,14 +214,14 @@ def ws_persistent(geo: AttnGeometry, split: bool) -> bool:
 
 
 # Most heads at which the launch plan runs the transposed consumers: (prefill kernel, split kernel). Measured (H100,
-# BENCHMARKS.md, T 4096 k 2048, one call): DeepSeek bf16 prefill 1520 against 1834 us at 8 heads, but 2015 against
-# 1855 at 16 (3215 at 32, where 64 heads take 2090); packed decode T 1 10.6 against 11.4 us at 16 heads. The
-# transposed consumer's cost grows with the heads: TileLang's reductions over the score rows take a shared-memory
-# round and a barrier per column a thread holds (hb / 4 of them, twice a block), and P^T is stored column by column.
-TRANSPOSED_PLAN_HEADS = (8, 16)
+# BENCHMARKS.md, one call): faster than the plain consumers at 8, 16 and 32 heads in every case of the bench, e.g.
+# DeepSeek bf16 prefill T 4096 1417 / 1531 / 1861 against 1842 / 1903 / 1993 us, packed decode T 1 10.1 against
+# 12.6 us at 8 heads. (With TileLang's own reductions over the score rows, a barrier for each column a thread holds,
+# they were slower from 16 heads on: 2015 against 1855 us; the column statistics are now dsa_col_stats.)
+TRANSPOSED_PLAN_HEADS = (32, 32)
 
 
-def ws_transposed(geo: AttnGeometry, split: bool) -> bool:
+def ws_transposed(geo: AttnGeometry, split: bool, most: int | None = None) -> bool:
     """Whether the warp-specialized kernels of ``geo`` run the transposed consumers: at most
     :data:`~csrc_tl.sparse_attn.geometry.TRANSPOSED_MAX_HEADS` heads (a tensor-parallel shard: 8 to 32 heads per GPU).
 
@@ -231,8 +233,8 @@ def ws_transposed(geo: AttnGeometry, split: bool) -> bool:
 
     Needs 64-row blocks (:func:`ws_block`): TileLang 0.1.15 cannot reduce the rows of a 128-row transposed score
     fragment (two M tiles per thread), so the prefills of 256-wide rows keep the plain consumers. Used up to
-    :data:`TRANSPOSED_PLAN_HEADS` heads (prefill, split kernel): the measured crossover."""
-    most = TRANSPOSED_PLAN_HEADS[1 if split else 0]
+    :data:`TRANSPOSED_PLAN_HEADS` heads (prefill, split kernel), the measured crossover, or ``most``."""
+    most = TRANSPOSED_PLAN_HEADS[1 if split else 0] if most is None else most
     return geo.heads <= most and ws_supported(geo) and ws_block(geo, split) == 64
 
 
@@ -316,7 +318,14 @@ class WsPlan:
     def prelude(self) -> str | None:
         """The device helpers the kernel calls (:mod:`csrc_tl.sparse_attn.device`), or None."""
         return device.prelude(
-            self.paired, self.inplace, self.halves, self.bulk, self.calls_widen, self.split, self.persist
+            self.paired,
+            self.inplace,
+            self.halves,
+            self.bulk,
+            self.calls_widen,
+            self.split,
+            self.persist,
+            self.transposed,
         )
 
 

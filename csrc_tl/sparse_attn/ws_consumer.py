@@ -11,7 +11,6 @@ from .common import (
     load_q,
     normalize,
     online_softmax,
-    online_softmax_t,
     reciprocal,
     rescale,
     sink_weight,
@@ -19,7 +18,11 @@ from .common import (
     store_rows,
 )
 from .geometry import NEG_START
-from .plan import WS_CONSUMER_BARRIER, WS_STORE_BARRIERS, WsPlan
+from .plan import WS_COL_BARRIER, WS_CONSUMER_BARRIER, WS_STORE_BARRIERS, WsPlan
+
+# offsets, in units of hb floats, of the running max and sum in the transposed consumers' col_s (after the two
+# four-warp reduction buffers of dsa_col_max_update and dsa_col_sum_update)
+COL_MAX, COL_SUM = 8, 9
 
 
 def _score_macros(plan: WsPlan) -> SimpleNamespace:
@@ -202,6 +205,62 @@ def _consume0_paired(plan: WsPlan, items: SimpleNamespace, scores: SimpleNamespa
     return SimpleNamespace(consume0_paired=consume0_paired)
 
 
+def _transposed_macros(plan: WsPlan) -> SimpleNamespace:
+    """Consumer warpgroup 0's softmax steps in the transposed consumers (:func:`~csrc_tl.sparse_attn.ws_transposed`)."""
+    block_i, hb, scale2 = plan.block_i, plan.hb, plan.scale2
+
+    @T.macro
+    def stats_t(c, start):
+        """The transposed consumers' running statistics in shared memory: at the ``start`` of a work item the max
+        and the sum of every head reset (then a barrier: the device helpers read them); at its end, after a barrier,
+        copied into ``m_i`` and ``sumexp`` for the normalization and the stores."""
+        if start:
+            for h in T.Parallel(hb):
+                c.col_s[COL_MAX * hb + h] = NEG_START
+                c.col_s[COL_SUM * hb + h] = 0
+            T.call_extern("handle", "dsa_bar_sync", *WS_COL_BARRIER)
+        else:
+            T.call_extern("handle", "dsa_bar_sync", *WS_COL_BARRIER)
+            for h in T.Parallel(hb):
+                c.m_i[h] = c.col_s[COL_MAX * hb + h]
+                c.sumexp[h] = c.col_s[COL_SUM * hb + h]
+
+    @T.macro
+    def softmax_t(c):
+        """The online softmax of the transposed consumers over this block's scores ``c.acc_s [block_i, hb]``: the
+        column statistics by the device helpers (warp shuffles, one barrier per statistic and block; the running max
+        and sum and the rescale factor ``alpha_s`` in shared memory), the probabilities in place, ``acc_o`` rescaled,
+        and P^T into ``p_s [hb, block_i]`` for both warpgroups' PV GEMMs."""
+        bar = WS_COL_BARRIER[0]
+        T.call_extern(
+            "handle",
+            f"dsa_col_max_update<{hb}>",
+            c.acc_s.data,
+            T.address_of(c.col_s[0]),
+            T.address_of(c.col_s[COL_MAX * hb]),
+            T.address_of(c.alpha_s[0]),
+            scale2,
+            bar,
+        )
+        for j, h in T.Parallel(block_i, hb):
+            c.acc_s[j, h] = T.exp2(c.acc_s[j, h] * scale2 - c.col_s[COL_MAX * hb + h] * scale2)
+        T.call_extern(
+            "handle",
+            f"dsa_col_sum_update<{hb}>",
+            c.acc_s.data,
+            T.address_of(c.col_s[4 * hb]),
+            T.address_of(c.col_s[COL_SUM * hb]),
+            T.address_of(c.alpha_s[0]),
+            bar,
+        )
+        for d, h in T.Parallel(plan.half, hb):
+            c.acc_o[d, h] = c.acc_o[d, h] * c.alpha_s[h]
+        for j, h in T.Parallel(block_i, hb):
+            c.p_s[h, j] = c.acc_s[j, h]
+
+    return SimpleNamespace(stats_t=stats_t, softmax_t=softmax_t)
+
+
 def _consume0_single(plan: WsPlan, items: SimpleNamespace, scores: SimpleNamespace) -> SimpleNamespace:
     """Consumer warpgroup 0 of the single scheme (plain or transposed: :func:`~csrc_tl.sparse_attn.ws_transposed`)."""
     geo, split, block_i, hb, persist = plan.geo, plan.split, plan.block_i, plan.hb, plan.persist
@@ -210,6 +269,7 @@ def _consume0_single(plan: WsPlan, items: SimpleNamespace, scores: SimpleNamespa
     acc = T.float32
     work, work_items, global_block = items.work, items.work_items, items.global_block
     stage_q, score_stage, pv_half = scores.stage_q, scores.score_stage, scores.pv_half
+    tr = _transposed_macros(plan) if transposed else None
 
     @T.macro
     def consume0_single(c):
@@ -228,6 +288,8 @@ def _consume0_single(plan: WsPlan, items: SimpleNamespace, scores: SimpleNamespa
             T.fill(c.acc_o, 0)
             T.fill(c.sumexp, 0)
             T.fill(c.m_i, NEG_START)
+            if transposed:
+                tr.stats_t(c, True)
             T.barrier_wait(c.q_ready, i & 1)
             for it in T.serial(walk_i):
                 # (base is even: the stage of a block is that of it)
@@ -255,9 +317,7 @@ def _consume0_single(plan: WsPlan, items: SimpleNamespace, scores: SimpleNamespa
                 if global_block(base, it) > 0:  # warpgroup 1 is done with p_s and alpha_s
                     T.barrier_wait(c.p_free, (global_block(base, it) - 1) & 1)
                 if transposed:
-                    online_softmax_t(c.acc_s, c.acc_o, c.m_i, c.m_prev, c.alpha, c.alpha_s, c.sum_i, c.sumexp, scale2)
-                    for j, h in T.Parallel(block_i, hb):
-                        c.p_s[h, j] = c.acc_s[j, h]
+                    tr.softmax_t(c)
                 else:
                     online_softmax(c.acc_s, c.acc_o, c.m_i, c.m_prev, c.alpha, c.sum_i, c.sumexp, scale2)
                     T.copy(c.alpha, c.alpha_s)
@@ -273,6 +333,8 @@ def _consume0_single(plan: WsPlan, items: SimpleNamespace, scores: SimpleNamespa
                     T.barrier_arrive(c.free0)
                 else:
                     T.barrier_arrive(c.free1)
+            if transposed:
+                tr.stats_t(c, False)
             if sink_max:
                 store_max(c.max_logits, c.m_i, c.sumexp, t_i, h0_i, heads, geo.sm_scale)  # (m_i is exact here)
                 sink_weight(c.alpha, c.attn_sink, c.m_i, h0_i, heads, scale2)

@@ -139,6 +139,9 @@ def _attend_macro(plan: WsPlan, dims, prod: SimpleNamespace, cons: SimpleNamespa
                 alpha_s = T.alloc_shared((hb,), acc)
                 sum_s = T.alloc_shared((hb,), acc)
                 p0_s = p1_s = m_s = None
+            # the transposed consumers' column statistics: two reduction buffers of the four warps, the running max
+            # and the running sum (see stats_t in ws_consumer)
+            col_s = T.alloc_shared((10 * hb,), acc) if plan.transposed else None
 
             # each consumer warpgroup has its own fragments (their layouts bind its own threads)
             # (transposed: the output as [half, hb], the scores as [block_i, hb]; see ws_transposed)
@@ -277,6 +280,7 @@ def _attend_macro(plan: WsPlan, dims, prod: SimpleNamespace, cons: SimpleNamespa
                 p1_s=p1_s,
                 m_s=m_s,
                 p_s=p_s,
+                col_s=col_s,
                 alpha_s=alpha_s,
                 sum_s=sum_s,
                 acc_o=acc_o,

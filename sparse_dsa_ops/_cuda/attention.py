@@ -364,13 +364,13 @@ def _causal_indices(tokens: int, topk: int, gen: torch.Generator) -> torch.Tenso
 
 
 def _attn_case(
-    name, kind, d_nope, d_rope, heads, tokens, slots, topk, target=None, variant="", causal=False, plain=False
+    name, kind, d_nope, d_rope, heads, tokens, slots, topk, target=None, variant="", causal=False, scheme=None
 ):
     """One attention case; ``variant``: "" (the core op), "sink" (with an ``attn_sink``) or "flash_mla" (the same
     call through :mod:`sparse_dsa_ops.flash_mla`: its prefill for bf16 kv, its paged FP8 decode for packed kv);
     ``causal``: the indices of one causal prefill (:func:`_causal_indices`, ``slots`` = ``tokens``) instead of
-    random ones over the whole pool; ``plain``: the plain consumers at a few-heads case (the transposed ones'
-    same-run comparison)."""
+    random ones over the whole pool; ``scheme``: the consumers of a few-heads case, "plain" or "transposed" (their
+    same-run comparison; None: the plan's)."""
 
     def make():
         gen = torch.Generator(device="cuda").manual_seed(0)
@@ -409,9 +409,11 @@ def _attn_case(
         torch.cuda.get_device_properties(0).multi_processor_count,
         sink=variant == "sink",
         max_logits=variant == "flash_mla" and kind != "packed",  # (flash_mla_sparse_fwd returns them)
-        transposed=False if plain else None,
+        transposed=None if scheme is None else scheme == "transposed",
     )
-    run = _flash_mla_run(kind, d_nope, d_rope) if variant == "flash_mla" else _plain_run if plain else None
+    run = _flash_mla_run(kind, d_nope, d_rope) if variant == "flash_mla" else None
+    if scheme is not None:
+        run = functools.partial(_scheme_run, scheme == "transposed")
     return dict(
         name=name,
         op="sparse_attn",
@@ -425,10 +427,10 @@ def _attn_case(
     )
 
 
-def _plain_run(q, kv, indices, sm_scale, d_v):
-    """``sparse_attn`` on the plain consumers (see :func:`plan_attn`)."""
+def _scheme_run(transposed: bool, q, kv, indices, sm_scale, d_v):
+    """``sparse_attn`` on the transposed or the plain consumers (see :func:`plan_attn`)."""
     args = OPS["sparse_attn"].check(q, kv, indices, sm_scale, d_v)
-    return _attend(args, q, kv, indices, sm_scale, d_v, None, None, None, transposed=False)
+    return _attend(args, q, kv, indices, sm_scale, d_v, None, None, None, transposed=transposed)
 
 
 def _flash_mla_run(kind: str, d_nope: int, d_rope: int):
@@ -536,29 +538,23 @@ def bench_cases() -> list[dict]:
 
 
 def _shard_cases() -> list[dict]:
-    """Tensor-parallel shards (8, 16, 32 heads per GPU) beside 64 and 128 heads of the same geometry, prefill and
-    decode, random and causal indices, and at 8 and 16 heads the plain consumers (the transposed ones' same-run
-    comparison)."""
+    """Tensor-parallel shards (8, 16, 32 heads per GPU) on the transposed and on the plain consumers, beside 64 and
+    128 heads of the same geometry: prefill and decode, random and causal indices."""
     cases = []
     for model, d_nope, d_rope in (("deepseek", 512, 64), ("glm5.3-flash", 512, 0)):
         for kind in ("bf16", "packed"):
             for heads in (8, 16, 32, 64):
                 shape = f"{model} {kind} T4096 S8192 H{heads} k2048"
-                cases.append(_attn_case(f"tp prefill {shape}", kind, d_nope, d_rope, heads, 4096, 8192, 2048))
-                if heads <= 16:
-                    name = f"tp prefill {shape} plain"
-                    cases.append(_attn_case(name, kind, d_nope, d_rope, heads, 4096, 8192, 2048, plain=True))
-    for heads in (8, 16, 64):
-        for kind in ("bf16", "packed"):
+                for scheme in ("transposed", "plain") if heads < 64 else (None,):
+                    name = f"tp prefill {shape}" + (f" {scheme}" if scheme else "")
+                    cases.append(_attn_case(name, kind, d_nope, d_rope, heads, 4096, 8192, 2048, scheme=scheme))
+    for kind in ("bf16", "packed"):
+        for heads in (8, 16, 64):
             name = f"tp prefill causal deepseek {kind} T8192 H{heads} k2048"
             cases.append(_attn_case(name, kind, 512, 64, heads, 8192, 8192, 2048, causal=True))
     for tokens in (1, 4, 64, 256):
         for heads in (8, 16, 128):
-            name = f"tp decode deepseek packed T{tokens} S65536 H{heads} k2048"
-            cases.append(_attn_case(name, "packed", 512, 64, heads, tokens, 65536, 2048))
-    cases.append(
-        _attn_case(
-            "tp decode deepseek packed T1 S65536 H16 k2048 plain", "packed", 512, 64, 16, 1, 65536, 2048, plain=True
-        )
-    )
+            for scheme in ("transposed", "plain") if heads < 64 else (None,):
+                name = f"tp decode deepseek packed T{tokens} S65536 H{heads} k2048" + (f" {scheme}" if scheme else "")
+                cases.append(_attn_case(name, "packed", 512, 64, heads, tokens, 65536, 2048, scheme=scheme))
     return cases
