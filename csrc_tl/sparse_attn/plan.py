@@ -40,6 +40,12 @@ WS_NREG = {
 }
 
 
+# The transposed consumers' budgets where they differ from WS_NREG: their accumulators are small (a [d_v / 2, hb]
+# output half, a [64, hb] score tile), so the in-place producer over packed rows takes registers from warpgroup 0
+# (at (224, 184, 96) ptxas spilled 24 bytes in the 512+0 prefill at 16 heads, sm_90a)
+WS_NREG_TRANSPOSED = {("inplace_wg1", 1): (208, 184, 112)}
+
+
 def check_ws_nreg(nreg: tuple[int, int, int], producers: int) -> None:
     """Assert that setmaxnreg budgets ``nreg`` (see :data:`WS_NREG`) fit a CTA of two consumer
     warpgroups and ``producers`` producer warpgroups: each a multiple of 8 in [24, 256], the consumers'
@@ -391,7 +397,8 @@ def ws_plan(
     inplace_scheme = "inplace_wg1" if wg1_widens else "inplace"
     scheme = ("paired" if paired else inplace_scheme if inplace else "single", n_prod)
     assert nreg is not None or scheme in WS_NREG, f"no register budgets for {scheme}; pass nreg"
-    nreg = WS_NREG[scheme] if nreg is None else nreg
+    if nreg is None:
+        nreg = WS_NREG_TRANSPOSED.get(scheme, WS_NREG[scheme]) if transposed else WS_NREG[scheme]
     check_ws_nreg(nreg, n_prod)
 
     # A persistent prefill (ws_persistent): a grid of at most `ctas` CTAs, each of which walks the work items (token,
