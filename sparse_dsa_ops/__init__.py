@@ -1,35 +1,21 @@
 """DeepSeek-style sparse attention (DSA) — the lightning indexer, top-k selection, sparse attention and their
 FP8 caches — as ``torch.ops.dsa`` ops.
 
-The ops run pure-Torch code on the CPU (``reference.py``, also the test oracle) and TileLang kernels on GPUs.
-See ``ops.py`` for the contract of each op and ``flash_mla`` for FlashMLA's sparse entry points over them.
+The ops run pure-Torch code on the CPU (``reference``, also the test oracle) and TileLang kernels on GPUs. See
+``ops`` (one module per op family) for the contract of each op and ``flash_mla`` for FlashMLA's sparse entry points
+over them.
 """
 
 import importlib
 
-from . import reference
-from .kpool import kpool_store_index_k, kpool_topk
+from . import ops, reference  # noqa: F401  (reference: the CPU backend, ``sparse_dsa_ops.reference``)
 from .layout import KCacheLayout
-from .ops import (
-    attn_max_logits,
-    dequant_k_cache,
-    gather_dequant_k_cache,
-    gather_index_k,
-    gather_k_cache,
-    index_logits,
-    index_topk,
-    paged_index_logits,
-    quant_index,
-    quant_k_cache,
-    register_backend,
-    sparse_attn,
-    sparse_attn_with_max_logits,
-    store_index_k,
-    store_k_cache,
-    topk,
-)
+from .ops import OPS, register_backend
 
-register_backend("cpu", reference)
+# every declared op's public function (its contract module's, of the op's name)
+globals().update((name, getattr(ops, name)) for name in OPS)
+
+register_backend("cpu", f"{__name__}.reference")
 # Also serves ROCm builds of torch (device type "cuda"). Imported on the first op on a GPU: it loads TileLang.
 register_backend("cuda", f"{__name__}._cuda")
 
@@ -57,6 +43,7 @@ def warmup(
     index_dim: int = 128,
     index_page: int = 64,
     topk_k: int | None = None,
+    kpool: int | None = None,
     progress: bool = True,
     workers: int = 8,
 ) -> None:
@@ -73,41 +60,34 @@ def warmup(
     and FlashMLA's face with or without a sink); ``cache_ops``, ``round_scale`` and ``slot_dtypes`` pick the cache
     kernels.
     ``index_heads`` (with ``index_dim`` and the index-K cache's ``index_page``) adds the indexer's kernels, and
-    ``topk_k`` the top-k kernels of that k (``index_topk`` runs kernels of both). ``workers`` threads build kernels
-    at once.
+    ``topk_k`` the top-k kernels of that k (``index_topk`` runs kernels of both); ``kpool`` (GLM-5.3-Flash: 16)
+    adds the k-pool ops' kernels, the pool selection's of ``topk_k // kpool`` pools. ``workers`` threads build
+    kernels at once.
     """
     from . import _cuda
 
-    keys = _cuda.attention.warmup_keys(heads, d_nope, d_rope, sm_scale, kv_kinds, fp8_q, topk_length, attn_sink)
-    if cache_ops:
-        keys += _cuda.k_cache.warmup_keys(KCacheLayout(d_nope, d_rope), round_scale, slot_dtypes)
-    if index_heads:
-        keys += _cuda.indexer.warmup_keys(index_heads, index_dim, index_page, round_scale, slot_dtypes)
-    if topk_k:
-        keys += _cuda.selection.warmup_keys(topk_k, index_page)
-    _cuda.warmup(keys, workers=workers, progress=progress)
+    spec = ops.WarmupSpec(
+        heads,
+        d_nope,
+        d_rope,
+        sm_scale,
+        tuple(kv_kinds),
+        tuple(fp8_q),
+        tuple(topk_length),
+        tuple(attn_sink),
+        cache_ops,
+        tuple(round_scale),
+        tuple(slot_dtypes),
+        index_heads,
+        index_dim,
+        index_page,
+        topk_k,
+        kpool,
+    )
+    keys = [key for family in ops.FAMILIES for key in family.gpu().warmup_keys_of(spec)]
+    _cuda.warmup(list(dict.fromkeys(keys)), workers=workers, progress=progress)
 
 
 __version__ = "0.2.0"
 
-__all__ = [
-    "KCacheLayout",
-    "quant_k_cache",
-    "store_k_cache",
-    "dequant_k_cache",
-    "gather_k_cache",
-    "gather_dequant_k_cache",
-    "sparse_attn",
-    "attn_max_logits",
-    "sparse_attn_with_max_logits",
-    "quant_index",
-    "store_index_k",
-    "gather_index_k",
-    "index_logits",
-    "paged_index_logits",
-    "topk",
-    "index_topk",
-    "kpool_store_index_k",
-    "kpool_topk",
-    "warmup",
-]
+__all__ = ["KCacheLayout", *OPS, "warmup"]

@@ -17,7 +17,7 @@ A mistake in the arguments ends in one line on stderr and exit status 2.
 from __future__ import annotations
 
 import argparse
-import functools
+import dataclasses
 import json
 import math
 import platform
@@ -25,13 +25,12 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from . import ops, reference
-from .kpool import kpool_width
-from .layout import QUANT_TILE, KCacheLayout
+from . import ops
+from .layout import QUANT_TILE
+from .ops.samples import Case
 
 # DeepSeek-V3.2 and GLM-5.3-Flash (its public config): d_nope, d_rope, heads
 GEOMETRIES = {"deepseek": (512, 64, 128), "glm": (512, 0, 64)}
@@ -67,337 +66,9 @@ def environment() -> list[tuple[str, str]]:
     ]
 
 
-@dataclass
-class Case:
-    op: str
-    geometry: str
-    make: Callable[[torch.Generator], tuple]  # CPU inputs
-    run: Callable[..., object]  # the op
-    ref: Callable[..., object]  # the reference on CPU inputs
-    exact: bool  # bytes must match; otherwise -inf at the same places and a small relative L2 error elsewhere
-    keys: Callable[[torch.device], list]  # the kernels the op runs for these inputs on a GPU (compiled up front)
-
-
-def _in_place(op: Callable, arg: int) -> Callable:
-    """``op`` (which writes its argument ``arg`` in place and returns nothing) as a function of a copy of its inputs
-    that returns what it wrote."""
-
-    def run(*args):
-        target = args[arg].clone()
-        op(*args[:arg], target, *args[arg + 1 :])
-        return target
-
-    return run
-
-
-def _output(op: Callable, i: int) -> Callable:
-    """``op`` returning only its output ``i``."""
-    return lambda *args: op(*args)[i]
-
-
-def _case(op: str, geometry: str, make, keys, exact=True, writes: int | None = None, output=None, name="") -> Case:
-    """A case of ``dsa.<op>`` against ``reference.<op>``; ``writes``: the argument the op writes in place;
-    ``output``: the one output of several that is compared (default: the first)."""
-    run, ref = getattr(torch.ops.dsa, op), getattr(reference, op)
-    if writes is not None:
-        run, ref = _in_place(run, writes), _in_place(ref, writes)
-    if output is not None:
-        run, ref = _output(run, output), _output(ref, output)
-    return Case(name or op, geometry, make, run, ref, exact, keys)
-
-
-def _sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _cache_keys(op: str, lay: KCacheLayout, round_scale: bool, device: torch.device) -> list:
-    """The kernel of the K-cache op ``op`` for rows of ``lay`` and int32 slot ids (every case's)."""
-    from ._cuda import k_cache
-
-    return k_cache.cache_keys(op, lay, round_scale)
-
-
-def _attn_keys(kind: str, lay: KCacheLayout, heads: int, tokens: int, topk: int, device, max_logits=False) -> list:
-    """The kernels of sparse_attn's launch plan (with ``max_logits``: sparse_attn_with_max_logits's) for the inputs
-    of :func:`_attn_inputs` on ``device``."""
-    from ._cuda import attention
-
-    scale, q_fp8, sms = lay.d_qk**-0.5, kind == "fp8", _sms(device)
-    plan = attention.plan_attn(
-        kind, lay.d_nope, lay.d_rope, heads, scale, False, q_fp8, tokens, topk, sms, max_logits=max_logits
-    )
-    # the split path's tokens get their maxima from attn_max_logits, which gathers packed rows with a kernel
-    gather = max_logits and plan.split and kind == "packed"
-    return list(plan.keys) + (_cache_keys("gather_dequant_k_cache", lay, False, device) if gather else [])
-
-
-def _index_keys(op: str, device: torch.device) -> list:
-    """The kernel of the indexer op ``op`` for the inputs of :func:`_indexer_cases` (FP8 queries, unrounded scales,
-    int32 slot ids), as ``source`` picks it for those arguments."""
-    from ._cuda import indexer
-    from ._cuda.compile import target
-
-    args = dict(index_dim=INDEX_DIM, page=INDEX_PAGE, heads=INDEX_HEADS, q="fp8", round_scale=False, slot_dtype="int32")
-    return indexer.source_keys(op, argparse.Namespace(**args, target=target()))
-
-
-def _index_topk_keys(tokens: int, keys: int, device: torch.device) -> list:
-    """The kernels of index_topk for the inputs of :func:`_indexer_cases`."""
-    from ._cuda import indexer
-
-    return indexer.index_topk_keys(INDEX_HEADS, INDEX_DIM, "float8_e4m3fn", tokens, keys, INDEX_TOPK, _sms(device))
-
-
-def _topk_keys(rows: int, width: int, k: int, page: int, device: torch.device) -> list:
-    """The kernels of topk's plan for ``rows`` rows of ``width`` (to slots of ``page``-token pages, 0: positions)."""
-    from ._cuda import selection
-
-    return selection.plan_topk(rows, width, _sms(device)).keys(k, page, False, False)
-
-
-def _k_rows(gen: torch.Generator, n: int, lay: KCacheLayout) -> tuple:
-    rope = torch.randn(n, lay.d_rope, generator=gen).bfloat16() if lay.d_rope else None
-    return torch.randn(n, lay.d_nope, generator=gen).bfloat16(), rope
-
-
-def _k_pool(gen: torch.Generator, lay: KCacheLayout, slots: int) -> torch.Tensor:
-    return reference.quant_k_cache(*_k_rows(gen, slots, lay)).reshape(-1, 64, lay.row_bytes)
-
-
-def _slot_ids(gen: torch.Generator, m: int, slots: int) -> torch.Tensor:
-    ids = torch.randint(0, slots, (m,), generator=gen, dtype=torch.int32)
-    ids[::7] = -1
-    return ids
-
-
-def _cache_cases(geo: str, n_rows: int, slots: int) -> list[Case]:
-    """The K-cache ops at ``geo``'s rows. The quantizer runs with unrounded scales, the store with scales rounded to
-    powers of two: either op has a kernel for each, and the check compiles one of each op's."""
-    lay = KCacheLayout(*GEOMETRIES[geo][:2])
-
-    def store(g):
-        return (
-            *_k_rows(g, n_rows, lay),
-            _k_pool(g, lay, slots),
-            torch.randperm(slots, generator=g)[:n_rows].int(),
-            True,
-        )
-
-    def gather(g):
-        return _k_pool(g, lay, slots), _slot_ids(g, n_rows, slots)
-
-    def keys(op, round_scale=False):
-        return functools.partial(_cache_keys, op, lay, round_scale)
-
-    return [
-        _case("quant_k_cache", geo, lambda g: (*_k_rows(g, n_rows, lay), False), keys("quant_k_cache")),
-        _case("store_k_cache", geo, store, keys("store_k_cache", True), writes=2),
-        _case("dequant_k_cache", geo, lambda g: (_k_pool(g, lay, slots),), keys("dequant_k_cache")),
-        _case("gather_k_cache", geo, gather, keys("gather_k_cache")),
-        _case("gather_dequant_k_cache", geo, gather, keys("gather_dequant_k_cache")),
-    ]
-
-
-# The kv kinds of sparse_attn's cases at each geometry, over the check's tokens (the prefill path on a GPU) and over
-# DECODE_TOKENS (the split decode path): packed rows, the serving cache, at both geometries and in both paths, bf16
-# and native FP8 rows in DeepSeek's prefill. Not every kind at every geometry and path: each attention kernel takes
-# seconds to lower, one after another, before the first case.
-PREFILL_KV = {"deepseek": ("bf16", "fp8"), "glm": ("packed",)}
-DECODE_KV = {"deepseek": ("packed",), "glm": ("packed",)}
-DECODE_TOKENS = 2
-
-
-def _attn_inputs(gen, kind: str, lay: KCacheLayout, heads: int, tokens: int, topk: int, slots: int) -> tuple:
-    q = torch.randn(tokens, heads, lay.d_qk, generator=gen).bfloat16()
-    kv = _k_pool(gen, lay, slots)
-    if kind == "bf16":
-        kv = reference.dequant_k_cache(kv)
-    elif kind == "fp8":  # native FP8: float8 q over float8 rows
-        q, kv = q.to(torch.float8_e4m3fn), reference.dequant_k_cache(kv).to(torch.float8_e4m3fn)
-    idx = torch.randint(-1, slots, (tokens, topk), generator=gen, dtype=torch.int32)
-    return q, kv, idx, lay.d_qk**-0.5, lay.d_nope, None
-
-
-def _attn_cases(geo: str, tokens: int, topk: int, slots: int) -> list[Case]:
-    """sparse_attn at ``geo`` (PREFILL_KV, DECODE_KV), then attn_max_logits and sparse_attn_with_max_logits's maxima
-    over the decode's packed inputs. Those two add no kernel: the gather of packed rows (the cache cases') and the
-    decode's kernels; sparse_attn_with_max_logits's prefill kernel (the ``sink_max`` variant) would be one more
-    attention kernel to lower."""
-    d_nope, d_rope, heads = GEOMETRIES[geo]
-    lay = KCacheLayout(d_nope, d_rope)
-
-    def make(kind, t_count, n_args=6):
-        return lambda g: _attn_inputs(g, kind, lay, heads, t_count, topk, slots)[:n_args]
-
-    def attn(kind, t_count):
-        name = f"sparse_attn {kind}" if t_count == tokens else f"sparse_attn T{t_count} {kind}"
-        keys = functools.partial(_attn_keys, kind, lay, heads, t_count, topk)
-        return _case("sparse_attn", geo, make(kind, t_count), keys, exact=False, name=name)
-
-    cases = [attn(kind, tokens) for kind in PREFILL_KV[geo]] + [attn(kind, DECODE_TOKENS) for kind in DECODE_KV[geo]]
-    decode = make("packed", DECODE_TOKENS)
-    gather = functools.partial(_cache_keys, "gather_dequant_k_cache", lay, False)
-    with_max = functools.partial(_attn_keys, "packed", lay, heads, DECODE_TOKENS, topk, max_logits=True)
-    return cases + [
-        _case("attn_max_logits", geo, make("packed", DECODE_TOKENS, 5), gather, exact=False),
-        _case("sparse_attn_with_max_logits", geo, decode, with_max, exact=False, output=2),
-    ]
-
-
-def _cache_and_attention_cases(n_rows: int, tokens: int, topk: int, slots: int) -> list[Case]:
-    """The K-cache ops and sparse attention at DeepSeek-V3.2's and GLM-5.3-Flash's rows."""
-    return [c for geo in GEOMETRIES for c in _cache_cases(geo, n_rows, slots) + _attn_cases(geo, tokens, topk, slots)]
-
-
-INDEX_DIM, INDEX_PAGE = 128, 64
-INDEX_HEADS = 64  # DeepSeek-V3.2's indexer heads
-INDEX_TOPK = 256  # index_topk's k in the check (below every case's key count)
-
-
-def _indexer_cases(n_rows: int, tokens: int, keys: int, batch: int) -> list[Case]:
-    """The indexer's six ops at DeepSeek-V3.2's indexer (64 heads of 128; the cache ops do not depend on heads)."""
-    geo, heads = "deepseek", INDEX_HEADS
-    pages = -(-keys // INDEX_PAGE)
-
-    def cache(gen, pages=pages):
-        c = torch.zeros(pages, INDEX_PAGE * (INDEX_DIM + 4), dtype=torch.uint8)
-        k = torch.randn(pages * INDEX_PAGE, INDEX_DIM, generator=gen).bfloat16()
-        reference.store_index_k(k, c, torch.arange(pages * INDEX_PAGE, dtype=torch.int32))
-        return c
-
-    def quant_inputs(gen):
-        return torch.randn(n_rows, INDEX_DIM, generator=gen).bfloat16(), False
-
-    def fp8(gen, *shape):
-        return (torch.randn(*shape, generator=gen) * 0.5).to(torch.float8_e4m3fn)
-
-    def slot_ids(gen):
-        ids = torch.randint(0, pages * INDEX_PAGE, (n_rows,), generator=gen, dtype=torch.int32)
-        ids[::7] = -1
-        return ids
-
-    def store_inputs(gen):
-        store_pages = 2 * n_rows // INDEX_PAGE  # half the slots written
-        loc = torch.randperm(store_pages * INDEX_PAGE, generator=gen)[:n_rows].int()
-        return torch.randn(n_rows, INDEX_DIM, generator=gen).bfloat16(), cache(gen, store_pages), loc, False
-
-    def logits_inputs(gen):
-        ke = torch.randint(0, keys + 1, (tokens,), generator=gen, dtype=torch.int32)
-        ks = (ke - torch.randint(0, keys // 2, (tokens,), generator=gen, dtype=torch.int32)).clamp_min(0)
-        k = fp8(gen, keys, INDEX_DIM)
-        return (
-            fp8(gen, tokens, heads, INDEX_DIM),
-            k,
-            torch.rand(keys, generator=gen) + 0.5,
-            torch.randn(tokens, heads, generator=gen),
-            ks,
-            ke,
-        )
-
-    def paged_inputs(gen):
-        max_pages = pages // batch
-        table = torch.randperm(pages, generator=gen)[: batch * max_pages].int().reshape(batch, max_pages)
-        lengths = torch.randint(0, max_pages * INDEX_PAGE + 1, (batch * 2,), generator=gen, dtype=torch.int32)
-        q = fp8(gen, batch, 2, heads, INDEX_DIM)
-        return q, cache(gen), torch.randn(batch * 2, heads, generator=gen), lengths, table
-
-    def topk_inputs(gen):
-        # small integers and powers of two: every logit is exact on any device, so the selections match bit for bit
-        def ints(*shape):
-            return torch.randint(-3, 4, shape, generator=gen).float()
-
-        ke = torch.arange(tokens, dtype=torch.int32) + (keys - tokens + 1)  # causal
-        ks = torch.randint(-2, keys // 4, (tokens,), generator=gen, dtype=torch.int32)
-        k_scale = torch.exp2(torch.randint(-4, 2, (keys,), generator=gen).float())
-        q, k = ints(tokens, heads, INDEX_DIM).to(torch.float8_e4m3fn), ints(keys, INDEX_DIM).to(torch.float8_e4m3fn)
-        return q, k, k_scale, ints(tokens, heads), ks, ke, INDEX_TOPK, INDEX_TOPK + 64
-
-    def kernels(op):
-        return functools.partial(_index_keys, op)
-
-    return [
-        _case("quant_index", geo, quant_inputs, kernels("quant_index")),
-        _case("store_index_k", geo, store_inputs, kernels("store_index_k"), writes=1),
-        _case("gather_index_k", geo, lambda g: (cache(g), slot_ids(g), INDEX_DIM), kernels("gather_index_k")),
-        _case("index_logits", geo, logits_inputs, kernels("index_logits"), exact=False),
-        _case("paged_index_logits", geo, paged_inputs, kernels("paged_index_logits"), exact=False),
-        _case("index_topk", geo, topk_inputs, functools.partial(_index_topk_keys, tokens, keys)),
-    ]
-
-
-def _topk_cases(rows: int, width: int, k: int) -> list[Case]:
-    """Exact top-k: a few long rows (a row split over CTAs on a GPU) and many short rows to pool slots."""
-    long_rows, long_width, page = 4, width * 8, 64  # (page: topk's default page_size, which the slot case keeps)
-
-    def few_long(gen):
-        logits = torch.randn(long_rows, long_width, generator=gen)
-        return logits, torch.randint(0, long_width + 1, (long_rows,), generator=gen, dtype=torch.int32), k
-
-    def many_paged(gen):
-        logits = torch.randn(rows, width, generator=gen)
-        lengths = torch.randint(0, width + 1, (rows,), generator=gen, dtype=torch.int32)
-        table = torch.randperm(rows * width // page, generator=gen).int().reshape(rows, width // page)
-        table[:, ::5] = -1
-        return logits, lengths, k, None, table
-
-    split_keys = functools.partial(_topk_keys, long_rows, long_width, k, 0)
-    slot_keys = functools.partial(_topk_keys, rows, width, k, page)
-    return [
-        _case("topk", "few long rows", few_long, split_keys),
-        _case("topk", "many rows", many_paged, slot_keys, name="topk to slots"),
-    ]
-
-
-def _kpool_cases(pools: int, rows: int, width: int, k: int) -> list[Case]:
-    """GLM-5.3-Flash's k-pool ops: pools of 16 tokens compressed into the index-K cache (on a GPU, softmax rounds
-    its last float32 bit otherwise than the CPU's now and then, which may move one FP8 code: not exact), and k pools of
-    each row selected and expanded to token slots through a page table, with the tail."""
-    from ._cuda import kpool
-
-    geo, kp, page = "glm", kpool.KPOOL, INDEX_PAGE
-
-    def store(gen):
-        k_rows = torch.randn(pools, kp, INDEX_DIM, generator=gen).bfloat16()
-        gate = torch.randn(pools, kp, INDEX_DIM, generator=gen).bfloat16()
-        ape = torch.randn(kp, INDEX_DIM, generator=gen).bfloat16()
-        cache = torch.zeros(2 * pools // page, page * (INDEX_DIM + 4), dtype=torch.uint8)
-        loc = torch.randperm(cache.shape[0] * page, generator=gen)[:pools].int()  # distinct slots, half the cache
-        loc[::7] = -1
-        return k_rows, gate, ape, cache, loc, False
-
-    def select(gen):
-        logits = torch.randn(rows, width, generator=gen)
-        lengths = torch.randint(0, width * kp + kp, (rows,), generator=gen, dtype=torch.int32)
-        token_pages = width * kp // page + 1
-        table = torch.randperm(rows * token_pages, generator=gen).int().reshape(rows, token_pages)
-        return logits, lengths, k, kp, None, table, None, page, -(-kpool_width(k, kp) // 64) * 64
-
-    def keys(op, device):
-        args = argparse.Namespace(index_dim=INDEX_DIM, page=page, round_scale=False, slot_dtype="int32", k=k)
-        return kpool.source_keys(op, args)
-
-    return [
-        _case("kpool_store_index_k", geo, store, functools.partial(keys, "kpool_store_index_k"), False, writes=3),
-        _case("kpool_topk", geo, select, functools.partial(keys, "kpool_topk"), name="kpool_topk to slots"),
-    ]
-
-
 def _check_cases(on_cpu: bool) -> list[Case]:
-    """Every op's cases; on a GPU, at sizes where 256 tokens take the attention prefill path at both geometries,
-    2 tokens the split decode path, and a few long top-k rows are split over CTAs."""
-    if on_cpu:
-        return (
-            _cache_and_attention_cases(n_rows=4096, tokens=4, topk=2048, slots=16384)
-            + _indexer_cases(n_rows=4096, tokens=8, keys=1024, batch=2)
-            + _topk_cases(rows=8, width=1024, k=256)
-            + _kpool_cases(pools=256, rows=8, width=512, k=16)
-        )
-    return (
-        _cache_and_attention_cases(n_rows=65536, tokens=256, topk=2048, slots=65536)
-        + _indexer_cases(n_rows=65536, tokens=128, keys=4096, batch=4)
-        + _topk_cases(rows=256, width=8192, k=2048)
-        + _kpool_cases(pools=65536, rows=64, width=8192, k=128)
-    )
+    """Every family's self-check cases (each family's contract module makes its own)."""
+    return [case for family in ops.FAMILIES for case in family.check_cases(on_cpu)]
 
 
 def _first(x):
@@ -499,9 +170,12 @@ def check(device: torch.device) -> int:
 
 def _source_families() -> dict:
     """Each op with kernels -> its family's GPU module (each family declares its ``SOURCE_OPS``)."""
-    from . import _cuda
+    return {op: module for module in (family.gpu() for family in ops.FAMILIES) for op in module.SOURCE_OPS}
 
-    return {op: family for family in _cuda.FAMILIES for op in family.SOURCE_OPS}
+
+def _kernel_spec(args: argparse.Namespace) -> ops.KernelSpec:
+    """``source``'s geometry arguments as the typed spec every family reads."""
+    return ops.KernelSpec(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ops.KernelSpec)})
 
 
 def _source_errors(args: argparse.Namespace) -> str | None:
@@ -527,7 +201,7 @@ def source(args: argparse.Namespace) -> int:
     """Print the generated source of every kernel the op runs for the geometry."""
     from . import _cuda
 
-    for key in _source_families()[args.op].source_keys(args.op, args):
+    for key in _source_families()[args.op].source_keys(args.op, _kernel_spec(args)):
         print(f"// ===== {key.name}, target {args.target} ({_cuda.TARGETS[args.target]}) =====")
         print(_cuda.lower_source(key, args.target))
     return 0
@@ -586,10 +260,11 @@ def _ceilings() -> dict[str, float]:
 
 
 def bench_cases() -> list[dict]:
-    """Every family's bench cases (each family's GPU module declares its own, with their targets)."""
-    from . import _cuda
+    """Every family's bench cases (each family's GPU module declares its own, with their targets), then FlashMLA's
+    face's."""
+    from . import flash_mla
 
-    return [case for family in _cuda.FAMILIES for case in family.bench_cases()]
+    return [case for family in ops.FAMILIES for case in family.gpu().bench_cases()] + flash_mla.bench_cases()
 
 
 def targets() -> dict[str, tuple]:

@@ -282,3 +282,22 @@ def flash_mla_with_kvcache(
     lengths = None if topk_length is None else topk_length.reshape(b, 1).expand(b, s_q).reshape(rows)
     out, lse = ops.sparse_attn(q.reshape(rows, h_q, d_qk), pool, idx, scale, head_dim_v, lengths, attn_sink)
     return out.view(b, s_q, h_q, head_dim_v), _lonely_lse(lse).view(b, s_q, h_q).transpose(1, 2)
+
+
+def bench_cases() -> list[dict]:
+    """The face's cases of ``python -m sparse_dsa_ops bench``: the core op's DeepSeek cases called as FlashMLA's
+    callers call them (its prefill for bf16 kv, its paged FP8 decode for packed kv)."""
+    from ._cuda import attention
+
+    d_nope, d_rope = 512, 64
+    scale = (d_nope + d_rope) ** -0.5
+
+    def run(kind: str):
+        if kind == "packed":
+            meta, splits = get_mla_metadata()
+            return lambda q, k_cache, idx: flash_mla_with_kvcache(
+                q, k_cache, None, None, d_nope, meta, splits, is_fp8_kvcache=True, indices=idx
+            )
+        return lambda q, kv, idx: flash_mla_sparse_fwd(q, kv, idx, scale, d_nope)
+
+    return attention.variant_cases("flash_mla", run)

@@ -5,6 +5,9 @@ import pytest
 
 from sparse_dsa_ops.__main__ import format_table, main
 
+# the self-check's geometries
+DS, GLM = "512+64 DeepSeek-V3.2", "512+0 GLM-5.3-Flash"
+
 
 def test_check_prints_every_op_on_the_cpu():
     from sparse_dsa_ops.ops import OPS
@@ -20,11 +23,11 @@ def test_check_prints_every_op_on_the_cpu():
     assert checked >= set(OPS), f"the check leaves out {sorted(set(OPS) - checked)}"
     # the cache ops and packed attention at both geometries, bf16 and native FP8 attention at DeepSeek's
     geometries = {
-        "quant_k_cache": ("deepseek", "glm"),
-        "sparse_attn bf16": ("deepseek",),
-        "sparse_attn fp8": ("deepseek",),
-        "sparse_attn packed": ("glm",),
-        "sparse_attn T2 packed": ("deepseek", "glm"),
+        "quant_k_cache": (DS, GLM),
+        "sparse_attn bf16": (DS,),
+        "sparse_attn fp8": (DS,),
+        "sparse_attn packed": (GLM,),
+        "sparse_attn T2 packed": (DS, GLM),
     }
     for op, geos in geometries.items():
         rows = [line for line in out.splitlines() if line.startswith(op + " ")]
@@ -175,15 +178,15 @@ def test_bench_cases_name_their_kernels(h200):
     from sparse_dsa_ops import _cuda
 
     cases = _cases()
-    assert cases["decode glm bf16 T1 S65536 H64 k2048"]["path"] == "attn_decode_ws x16 + combine"
-    assert cases["decode glm packed T1 S65536 H64 k2048"]["path"] == "attn_decode_ws x16 + combine"
+    assert cases["decode 256+0 bf16 T1 S65536 H64 k2048"]["path"] == "attn_decode_ws x16 + combine"
+    assert cases["decode 256+0 packed T1 S65536 H64 k2048"]["path"] == "attn_decode_ws x16 + combine"
     assert cases["prefill deepseek bf16 T4096 S8192 H128 k2048"]["path"] == "attn_prefill_ws"
     tail = "attn_prefill_ws + attn_decode_ws x16 + combine (last 4 tokens)"  # the persistent kernel's last round
-    assert cases["prefill glm packed T4096 S8192 H64 k2048"]["path"] == tail
-    assert cases["decode glm packed T17 S65536 H8 k2112"]["path"] == "attn_decode_ws x7 + combine"
+    assert cases["prefill 256+0 packed T4096 S8192 H64 k2048"]["path"] == tail
+    assert cases["decode 256+0 packed T17 S65536 H8 k2112"]["path"] == "attn_decode_ws x7 + combine"
     assert cases["prefill deepseek bf16 T4096 S8192 H16 k2048"]["path"] == "attn_prefill_ws"
     assert cases["decode deepseek packed T256 S65536 H128 k2048"]["path"] == "attn_prefill_ws"
-    assert cases["dequant_k_cache glm 1M rows"]["path"] == "dequant"
+    assert cases["dequant_k_cache 256+0 1M rows"]["path"] == "dequant"
     # the indexer's warp-specialized kernels for FP8 queries at every head count, the paged one over 64-token pages
     assert cases["index_logits h8 T4096 N64K"]["path"] == "index_logits_d128_h8_qfp8_ws"
     assert cases["paged_index_logits h64 B1 128K"]["path"] == "paged_index_logits_d128_h64_p64_qfp8_ws_s16"
@@ -212,14 +215,14 @@ def test_gpu_check_compiles_the_kernels_its_cases_run(h200, monkeypatch):
     assert all(case.keys(device) for case in cases)
     attn = {(c.op, c.geometry): [k.family for k in c.keys(device)] for c in cases if c.op.startswith("sparse_attn")}
     assert attn == {
-        ("sparse_attn bf16", "deepseek"): ["attn_prefill_ws"],
-        ("sparse_attn fp8", "deepseek"): ["attn_prefill_ws"],
-        ("sparse_attn T2 packed", "deepseek"): ["attn_decode_ws", "combine"],
-        ("sparse_attn packed", "glm"): ["attn_prefill_ws"],
-        ("sparse_attn T2 packed", "glm"): ["attn_decode_ws", "combine"],
+        ("sparse_attn bf16", DS): ["attn_prefill_ws"],
+        ("sparse_attn fp8", DS): ["attn_prefill_ws"],
+        ("sparse_attn T2 packed", DS): ["attn_decode_ws", "combine"],
+        ("sparse_attn packed", GLM): ["attn_prefill_ws"],
+        ("sparse_attn T2 packed", GLM): ["attn_decode_ws", "combine"],
         # (the maxima of the decode's tokens come from attn_max_logits: its gather of packed rows)
-        ("sparse_attn_with_max_logits", "deepseek"): ["attn_decode_ws", "combine", "gather_dequant"],
-        ("sparse_attn_with_max_logits", "glm"): ["attn_decode_ws", "combine", "gather_dequant"],
+        ("sparse_attn_with_max_logits", DS): ["attn_decode_ws", "combine", "gather_dequant"],
+        ("sparse_attn_with_max_logits", GLM): ["attn_decode_ws", "combine", "gather_dequant"],
     }
     selection = {c.op: c.keys(device) for c in cases if c.op.startswith("topk")}
     assert [k.stage for k in selection["topk"]] == ["hist", "select"]
@@ -244,17 +247,17 @@ def test_every_target_names_a_bench_case(h200):
 
     want = {
         "prefill deepseek bf16 T4096 S8192 H128 k2048": (">=", 600.0, "TFLOPS"),
-        "prefill glm bf16 T4096 S8192 H64 k2048": (">=", 450.0, "TFLOPS"),
-        "prefill glm packed T4096 S8192 H64 k2048": (">=", 400.0, "TFLOPS"),
+        "prefill 256+0 bf16 T4096 S8192 H64 k2048": (">=", 450.0, "TFLOPS"),
+        "prefill 256+0 packed T4096 S8192 H64 k2048": (">=", 400.0, "TFLOPS"),
         "decode deepseek packed T256 S65536 H128 k2048": (">=", 400.0, "TFLOPS"),
         "decode deepseek bf16 T1 S65536 H128 k2048": ("<=", 20.0, "us"),
-        "decode glm bf16 T1 S65536 H64 k2048": ("<=", 15.0, "us"),
-        "decode glm bf16 T17 S65536 H64 k2112": ("<=", 20.0, "us"),
-        "decode glm packed T1 S65536 H64 k2048": ("<=", 10.0, "us"),
-        "decode glm packed T17 S65536 H64 k2112": ("<=", 15.0, "us"),
+        "decode 256+0 bf16 T1 S65536 H64 k2048": ("<=", 15.0, "us"),
+        "decode 256+0 bf16 T17 S65536 H64 k2112": ("<=", 20.0, "us"),
+        "decode 256+0 packed T1 S65536 H64 k2048": ("<=", 10.0, "us"),
+        "decode 256+0 packed T17 S65536 H64 k2112": ("<=", 15.0, "us"),
     }
     cache_ops = ("quant_k_cache", "store_k_cache", "dequant_k_cache", "gather_k_cache", "gather_dequant_k_cache")
-    want |= {f"{op} {geo} 1M rows": COPY for op in cache_ops for geo in ("deepseek", "glm")}
+    want |= {f"{op} {geo} 1M rows": COPY for op in cache_ops for geo in ("deepseek", "glm5.3-flash 512+0", "256+0")}
     # the indexer: logits within 1.4x of their roof at 8 to 64 heads, a paged batch at its roof, one paged row of
     # 128K tokens in 12 us; its cache stores as the K cache's, a few rows in 3 us
     want |= {f"index_logits h{h} T4096 N64K": ("<=", 1.4, "x roof") for h in (64, 32, 16, 8)}
@@ -283,7 +286,7 @@ def test_bench_row_reports_the_median_the_range_and_the_target(h200):
     cases = _cases()
     ceil = {"matmul_tflops": 800.0, "copy_gbps": 2600.0}
     # GLM packed decode at T 17, target <= 15 us: the median of three rounds decides
-    row, record = bench_row(cases["decode glm packed T17 S65536 H64 k2112"], [15.3, 14.6, 14.8], ceil)
+    row, record = bench_row(cases["decode 256+0 packed T17 S65536 H64 k2112"], [15.3, 14.6, 14.8], ceil)
     assert row[2] == "14.8" and row[3] == "14.6-15.3"
     assert row[6] == "<= 15 us: met by 1.4%" and record["target"] == row[6]
     assert record["us"] == 14.8 and record["us_rounds"] == [15.3, 14.6, 14.8]
@@ -298,9 +301,9 @@ def test_bench_row_reports_the_median_the_range_and_the_target(h200):
     row, _ = bench_row(case, [365.1], ceil)
     assert row[4] == "400 TFLOPS" and row[6] == ">= 400 TFLOPS: missed by 0.01%"
     # a cache op against 85% of the copy ceiling; a case without a target
-    row, _ = bench_row(cases["store_k_cache glm 1M rows"], [379.2], ceil)
+    row, _ = bench_row(cases["store_k_cache 256+0 1M rows"], [379.2], ceil)
     assert row[5] == "83%" and row[6] == ">= 85% of copy: missed by 2.4%"
-    row, record = bench_row(cases["prefill glm fp8 T4096 S8192 H64 k2048"], [1292.8], ceil)
+    row, record = bench_row(cases["prefill 256+0 fp8 T4096 S8192 H64 k2048"], [1292.8], ceil)
     assert row[6] == "" and record["target"] == ""
 
 
@@ -321,7 +324,7 @@ def test_bench_table_and_json_on_the_cpu(monkeypatch, capsys, tmp_path):
 
     pool = torch.zeros(8, 264, dtype=torch.uint8)
     case = dict(
-        name="gather_k_cache glm 1M rows",
+        name="gather_k_cache 256+0 1M rows",
         op="gather_k_cache",
         flops=None,
         bytes=2.6e7,

@@ -13,6 +13,7 @@ import tvm_ffi
 
 from sparse_dsa_ops import _cuda
 from sparse_dsa_ops._cuda import compile as tl_compile
+from sparse_dsa_ops.ops import FAMILIES
 from tests.hip_compile import cli_keys
 
 CALLBACKS = {"cuda": "tilelang_callback_cuda_compile", "hip": "tilelang_callback_hip_compile"}
@@ -48,15 +49,15 @@ def built_source(key, target: str, monkeypatch) -> str:
     return seen[0]
 
 
-def _family(family) -> str:
-    return family.__name__.rsplit(".", 1)[-1]
+def _family(module) -> str:
+    return module.__name__.rsplit(".", 1)[-1]
 
 
 SLOW = {"attention", "selection"}  # families whose first kernel takes 15 to 30 s to lower (twice here): the sweep's
 
 
 def _cases():
-    for family in _cuda.FAMILIES:
+    for family in (f.gpu() for f in FAMILIES):
         for target in ("cuda", "hip"):
             marks = [pytest.mark.lowering] if _family(family) in SLOW else []
             yield pytest.param(family, target, marks=marks, id=f"{_family(family)}-{target}")

@@ -17,6 +17,7 @@ import torch
 
 from csrc_tl.sparse_attn import head_block
 from sparse_dsa_ops import KCacheLayout, _cuda, reference
+from sparse_dsa_ops.ops import FAMILIES
 from tests.test_cuda import at_offset, attn_suite_keys
 
 LAYOUTS = {"656": KCacheLayout(512, 64), "264": KCacheLayout(256, 0)}
@@ -511,7 +512,7 @@ def launches(monkeypatch):
     """The CUDA backend's op functions run on CPU tensors, each kernel launch recorded instead of run:
     a list of (kernel key, launch arguments)."""
     calls = []
-    for family in _cuda.FAMILIES:  # each family module launches through its own imported names
+    for family in (f.gpu() for f in FAMILIES):  # each family module launches through its own imported names
         monkeypatch.setattr(family, "kernel", lambda key: lambda *args: calls.append((key, args)), raising=False)
     monkeypatch.setattr(_cuda.attention, "sm_count", lambda device: 132)
     monkeypatch.setattr(_cuda.attention, "is_hopper", lambda: True)

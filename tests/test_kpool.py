@@ -299,7 +299,7 @@ def test_kpool_1_is_topk(gen, case):
 
 
 def test_width_of_glm():
-    assert dsa.kpool.kpool_width(128, 16) == 2063 and dsa.kpool.kpool_width(128, 16, tail=False) == 2048
+    assert dsa.ops.kpool_width(128, 16) == 2063 and dsa.ops.kpool_width(128, 16, tail=False) == 2048
 
 
 # ------------------------------------------------------------------------------------------
@@ -489,7 +489,7 @@ def test_gpu_composition_on_cpu_tensors(gen, monkeypatch):
     )
     for case in sorted(CASES):
         args = CASES[case](gen)
-        checked = dsa.kpool.check_kpool_topk(**args)
+        checked = dsa.ops.check_kpool_topk(**args)
         assert torch.equal(gpu.kpool_topk(checked, **args), reference.kpool_topk(**args)), case
 
 

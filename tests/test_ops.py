@@ -48,6 +48,11 @@ def test_schemas_are_exact():
         "Tensor? row_request=None, int page_size=64, int? out_width=None) -> Tensor",
         "index_topk": "dsa::index_topk(Tensor q, Tensor k, Tensor k_scale, Tensor weights, Tensor ks, Tensor ke, "
         "int topk, int? out_width=None) -> Tensor",
+        "kpool_store_index_k": "dsa::kpool_store_index_k(Tensor k, Tensor gate, Tensor ape, Tensor(a!) cache, "
+        "Tensor loc, bool round_scale=False) -> ()",
+        "kpool_topk": "dsa::kpool_topk(Tensor logits, Tensor lengths, int k, int kpool, Tensor? starts=None, "
+        "Tensor? page_table=None, Tensor? row_request=None, int page_size=64, int? out_width=None, bool tail=True) "
+        "-> Tensor",
     }
     assert set(SCHEMAS) == set(expect)
     for name, schema in expect.items():

@@ -24,7 +24,8 @@ from csrc_tl.sparse_attn.launch import (
     plan_tail,
 )
 
-from ..ops import OPS, AttnArgs, takes_checked
+from ..ops import OPS, AttnArgs, check_gather_dequant_k_cache, takes_checked
+from . import k_cache
 from .common import aligned, check_pool, pool_rows, pool_slots
 from .compile import is_hopper, kernel, register_builder, sm_count
 
@@ -291,7 +292,7 @@ def _attend(args: AttnArgs, q, kv, indices, sm_scale, d_v, topk_length, attn_sin
         kernel(plan.split[1])(part_out, part_lse, *sink, _rows(out, main, t_count), _rows(lse, main, t_count))
         if max_logits is not None:  # the split kernels keep no row maxima: a second pass over these tokens' rows
             lengths = None if topk_length is None else topk_length[main:]
-            best = torch.ops.dsa.attn_max_logits(q[main:], kv, indices[main:], sm_scale, d_v, lengths)
+            best = attn_max_logits(args, q[main:], kv, indices[main:], sm_scale, d_v, lengths)
             _rows(max_logits, main, t_count).copy_(best)
     return out, lse
 
@@ -335,7 +336,8 @@ def attn_max_logits(args: AttnArgs, q, kv, indices, sm_scale, d_v, topk_length=N
         if topk_length is not None:
             valid &= position < topk_length[start:stop, None]
         if packed:
-            keys = torch.ops.dsa.gather_dequant_k_cache(kv, ids.reshape(-1))  # [t * K, d_qk]; invalid ids: zeros
+            flat = ids.reshape(-1)  # the K-cache family's gather, its checker run directly (not the dispatcher)
+            keys = k_cache.gather_dequant_k_cache(check_gather_dequant_k_cache(kv, flat), kv, flat)  # [t * K, d_qk]
         else:
             safe = torch.where(valid, pool_slots(ids, args.pool), 0)  # [t, K], rows inside the pool
             keys = rows[safe.reshape(-1)].to(torch.bfloat16)  # [t * K, d_qk]
@@ -363,11 +365,12 @@ def _causal_indices(tokens: int, topk: int, gen: torch.Generator) -> torch.Tenso
     return torch.where(best >= 0, idx, -1).int()
 
 
-def _attn_case(
-    name, kind, d_nope, d_rope, heads, tokens, slots, topk, target=None, variant="", causal=False, scheme=None
+def attn_case(
+    name, kind, d_nope, d_rope, heads, tokens, slots, topk, target=None, variant="", causal=False, scheme=None, run=None
 ):
     """One attention case; ``variant``: "" (the core op), "sink" (with an ``attn_sink``) or "flash_mla" (the same
-    call through :mod:`sparse_dsa_ops.flash_mla`: its prefill for bf16 kv, its paged FP8 decode for packed kv);
+    call through FlashMLA's face, ``run``: its prefill for bf16 kv, its paged FP8 decode for packed kv, whose bench
+    cases the face makes);
     ``causal``: the indices of one causal prefill (:func:`_causal_indices`, ``slots`` = ``tokens``) instead of
     random ones over the whole pool; ``scheme``: the consumers of a few-heads case, "plain" or "transposed" (their
     same-run comparison; None: the plan's)."""
@@ -411,7 +414,6 @@ def _attn_case(
         max_logits=variant == "flash_mla" and kind != "packed",  # (flash_mla_sparse_fwd returns them)
         transposed=None if scheme is None else scheme == "transposed",
     )
-    run = _flash_mla_run(kind, d_nope, d_rope) if variant == "flash_mla" else None
     if scheme is not None:
         run = functools.partial(_scheme_run, scheme == "transposed")
     return dict(
@@ -433,22 +435,10 @@ def _scheme_run(transposed: bool, q, kv, indices, sm_scale, d_v):
     return _attend(args, q, kv, indices, sm_scale, d_v, None, None, None, transposed=transposed)
 
 
-def _flash_mla_run(kind: str, d_nope: int, d_rope: int):
-    from .. import flash_mla
-
-    scale = (d_nope + d_rope) ** -0.5
-    if kind == "packed":
-        meta, splits = flash_mla.get_mla_metadata()
-        return lambda q, k_cache, idx: flash_mla.flash_mla_with_kvcache(
-            q, k_cache, None, None, d_nope, meta, splits, is_fp8_kvcache=True, indices=idx
-        )
-    return lambda q, kv, idx: flash_mla.flash_mla_sparse_fwd(q, kv, idx, scale, d_nope)
-
-
 def bench_cases() -> list[dict]:
     """The attention cases of ``python -m sparse_dsa_ops bench``, with their targets (bound, value, unit)."""
     cases = [
-        _attn_case(
+        attn_case(
             "prefill deepseek bf16 T4096 S8192 H128 k2048",
             "bf16",
             512,
@@ -459,15 +449,15 @@ def bench_cases() -> list[dict]:
             2048,
             (">=", 600.0, "TFLOPS"),
         ),
-        _attn_case(
-            "prefill glm bf16 T4096 S8192 H64 k2048", "bf16", 256, 0, 64, 4096, 8192, 2048, (">=", 450.0, "TFLOPS")
+        attn_case(
+            "prefill 256+0 bf16 T4096 S8192 H64 k2048", "bf16", 256, 0, 64, 4096, 8192, 2048, (">=", 450.0, "TFLOPS")
         ),
-        _attn_case("decode glm bf16 T1 S65536 H64 k2048", "bf16", 256, 0, 64, 1, 65536, 2048, ("<=", 15.0, "us")),
-        _attn_case("decode glm bf16 T17 S65536 H64 k2112", "bf16", 256, 0, 64, 17, 65536, 2112, ("<=", 20.0, "us")),
-        _attn_case(
+        attn_case("decode 256+0 bf16 T1 S65536 H64 k2048", "bf16", 256, 0, 64, 1, 65536, 2048, ("<=", 15.0, "us")),
+        attn_case("decode 256+0 bf16 T17 S65536 H64 k2112", "bf16", 256, 0, 64, 17, 65536, 2112, ("<=", 20.0, "us")),
+        attn_case(
             "decode deepseek bf16 T1 S65536 H128 k2048", "bf16", 512, 64, 128, 1, 65536, 2048, ("<=", 20.0, "us")
         ),
-        _attn_case(
+        attn_case(
             "decode deepseek packed T256 S65536 H128 k2048",
             "packed",
             512,
@@ -478,63 +468,59 @@ def bench_cases() -> list[dict]:
             2048,
             (">=", 400.0, "TFLOPS"),
         ),
-        _attn_case("decode glm packed T1 S65536 H64 k2048", "packed", 256, 0, 64, 1, 65536, 2048, ("<=", 10.0, "us")),
-        _attn_case("decode glm packed T17 S65536 H64 k2112", "packed", 256, 0, 64, 17, 65536, 2112, ("<=", 15.0, "us")),
-        _attn_case(
-            "prefill glm packed T4096 S8192 H64 k2048", "packed", 256, 0, 64, 4096, 8192, 2048, (">=", 400.0, "TFLOPS")
+        attn_case("decode 256+0 packed T1 S65536 H64 k2048", "packed", 256, 0, 64, 1, 65536, 2048, ("<=", 10.0, "us")),
+        attn_case(
+            "decode 256+0 packed T17 S65536 H64 k2112", "packed", 256, 0, 64, 17, 65536, 2112, ("<=", 15.0, "us")
         ),
-        _attn_case("prefill deepseek fp8 T4096 S8192 H128 k2048", "fp8", 512, 64, 128, 4096, 8192, 2048),
-        _attn_case("prefill glm fp8 T4096 S8192 H64 k2048", "fp8", 256, 0, 64, 4096, 8192, 2048),
-        _attn_case("decode glm fp8 T1 S65536 H64 k2048", "fp8", 256, 0, 64, 1, 65536, 2048),
-        _attn_case("decode glm fp8 T17 S65536 H64 k2112", "fp8", 256, 0, 64, 17, 65536, 2112),
+        attn_case(
+            "prefill 256+0 packed T4096 S8192 H64 k2048",
+            "packed",
+            256,
+            0,
+            64,
+            4096,
+            8192,
+            2048,
+            (">=", 400.0, "TFLOPS"),
+        ),
+        attn_case("prefill deepseek fp8 T4096 S8192 H128 k2048", "fp8", 512, 64, 128, 4096, 8192, 2048),
+        attn_case("prefill 256+0 fp8 T4096 S8192 H64 k2048", "fp8", 256, 0, 64, 4096, 8192, 2048),
+        attn_case("decode 256+0 fp8 T1 S65536 H64 k2048", "fp8", 256, 0, 64, 1, 65536, 2048),
+        attn_case("decode 256+0 fp8 T17 S65536 H64 k2112", "fp8", 256, 0, 64, 17, 65536, 2112),
         # tensor-parallel shards: DeepSeek over 8 GPUs has 16 heads per GPU, GLM 8
-        _attn_case("prefill deepseek bf16 T4096 S8192 H16 k2048", "bf16", 512, 64, 16, 4096, 8192, 2048),
-        _attn_case("decode deepseek packed T1 S65536 H16 k2048", "packed", 512, 64, 16, 1, 65536, 2048),
-        _attn_case("decode deepseek packed T256 S65536 H16 k2048", "packed", 512, 64, 16, 256, 65536, 2048),
-        _attn_case("prefill glm packed T4096 S8192 H8 k2048", "packed", 256, 0, 8, 4096, 8192, 2048),
-        _attn_case("decode glm packed T1 S65536 H8 k2048", "packed", 256, 0, 8, 1, 65536, 2048),
-        _attn_case("decode glm packed T17 S65536 H8 k2112", "packed", 256, 0, 8, 17, 65536, 2112),
+        attn_case("prefill deepseek bf16 T4096 S8192 H16 k2048", "bf16", 512, 64, 16, 4096, 8192, 2048),
+        attn_case("decode deepseek packed T1 S65536 H16 k2048", "packed", 512, 64, 16, 1, 65536, 2048),
+        attn_case("decode deepseek packed T256 S65536 H16 k2048", "packed", 512, 64, 16, 256, 65536, 2048),
+        attn_case("prefill 256+0 packed T4096 S8192 H8 k2048", "packed", 256, 0, 8, 4096, 8192, 2048),
+        attn_case("decode 256+0 packed T1 S65536 H8 k2048", "packed", 256, 0, 8, 1, 65536, 2048),
+        attn_case("decode 256+0 packed T17 S65536 H8 k2112", "packed", 256, 0, 8, 17, 65536, 2112),
     ]
     cases += _shard_cases()
-    # with an attention sink, and through the FlashMLA face: each beside its core case above
-    for variant in ("sink", "flash_mla"):
-        cases += [
-            _attn_case(
-                f"prefill deepseek bf16 T4096 S8192 H128 k2048 {variant}",
-                "bf16",
-                512,
-                64,
-                128,
-                4096,
-                8192,
-                2048,
-                variant=variant,
-            ),
-            _attn_case(
-                f"decode deepseek packed T256 S65536 H128 k2048 {variant}",
-                "packed",
-                512,
-                64,
-                128,
-                256,
-                65536,
-                2048,
-                variant=variant,
-            ),
-            _attn_case(
-                f"decode deepseek packed T1 S65536 H128 k2048 {variant}",
-                "packed",
-                512,
-                64,
-                128,
-                1,
-                65536,
-                2048,
-                variant=variant,
-            ),
-        ]
-    cases.append(_attn_case("decode deepseek packed T1 S65536 H128 k2048", "packed", 512, 64, 128, 1, 65536, 2048))
+    cases += variant_cases("sink")  # beside their core cases above
+    cases.append(attn_case("decode deepseek packed T1 S65536 H128 k2048", "packed", 512, 64, 128, 1, 65536, 2048))
     return cases
+
+
+def variant_cases(variant: str, run=None) -> list[dict]:
+    """Three DeepSeek cases (a bf16 prefill, packed decodes of 256 and 1 tokens) of ``variant`` (see
+    :func:`attn_case`; ``run(kind)``: the call of each kv kind, where not the core op's): the sink's and FlashMLA's
+    face beside their core cases."""
+    shapes = (("prefill", "bf16", 4096, 8192), ("decode", "packed", 256, 65536), ("decode", "packed", 1, 65536))
+    return [
+        attn_case(
+            f"{path} deepseek {kind} T{tokens} S{slots} H128 k2048 {variant}",
+            kind,
+            512,
+            64,
+            128,
+            tokens,
+            slots,
+            2048,
+            variant=variant,
+            run=run(kind) if run else None,
+        )
+        for path, kind, tokens, slots in shapes
+    ]
 
 
 def _shard_cases() -> list[dict]:
@@ -547,14 +533,28 @@ def _shard_cases() -> list[dict]:
                 shape = f"{model} {kind} T4096 S8192 H{heads} k2048"
                 for scheme in ("transposed", "plain") if heads < 64 else (None,):
                     name = f"tp prefill {shape}" + (f" {scheme}" if scheme else "")
-                    cases.append(_attn_case(name, kind, d_nope, d_rope, heads, 4096, 8192, 2048, scheme=scheme))
+                    cases.append(attn_case(name, kind, d_nope, d_rope, heads, 4096, 8192, 2048, scheme=scheme))
     for kind in ("bf16", "packed"):
         for heads in (8, 16, 64):
             name = f"tp prefill causal deepseek {kind} T8192 H{heads} k2048"
-            cases.append(_attn_case(name, kind, 512, 64, heads, 8192, 8192, 2048, causal=True))
+            cases.append(attn_case(name, kind, 512, 64, heads, 8192, 8192, 2048, causal=True))
     for tokens in (1, 4, 64, 256):
         for heads in (8, 16, 128):
             for scheme in ("transposed", "plain") if heads < 64 else (None,):
                 name = f"tp decode deepseek packed T{tokens} S65536 H{heads} k2048" + (f" {scheme}" if scheme else "")
-                cases.append(_attn_case(name, "packed", 512, 64, heads, tokens, 65536, 2048, scheme=scheme))
+                cases.append(attn_case(name, "packed", 512, 64, heads, tokens, 65536, 2048, scheme=scheme))
     return cases
+
+
+def warmup_keys_of(spec) -> list[AttnKey | CombineKey]:
+    """The attention kernels :func:`sparse_dsa_ops.warmup` compiles for ``spec`` (a ``WarmupSpec``)."""
+    return warmup_keys(
+        spec.heads,
+        spec.d_nope,
+        spec.d_rope,
+        spec.sm_scale,
+        spec.kv_kinds,
+        spec.fp8_q,
+        spec.topk_length,
+        spec.attn_sink,
+    )

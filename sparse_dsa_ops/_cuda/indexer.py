@@ -1,4 +1,5 @@
-"""GPU implementations of the lightning indexer's ops (arguments already checked by ``ops.py``).
+"""GPU implementations of the lightning indexer's ops (arguments already checked by the family's
+contract, ``sparse_dsa_ops.ops.indexer``).
 
 The kernels (``csrc_tl.index``) take the paged index-K cache as ``[P, page * (D + 4)]`` uint8 whatever view the
 caller passes, 2-d queries and weights, and write every output element, so outputs are never zero-filled first.
@@ -317,3 +318,11 @@ def bench_cases() -> list[dict]:
     cases += [_paged_case(h, b, 131072) for h in (64, 8) for b in (64, 1)]
     cases += [_store_case(op, rows) for op in ("quant_index", "store_index_k") for rows in (1 << 20, 16)]
     return cases
+
+
+def warmup_keys_of(spec) -> list:
+    """The indexer's kernels :func:`sparse_dsa_ops.warmup` compiles for ``spec`` (a ``WarmupSpec``): none without
+    ``index_heads``."""
+    if not spec.index_heads:
+        return []
+    return warmup_keys(spec.index_heads, spec.index_dim, spec.index_page, spec.round_scale, spec.slot_dtypes)

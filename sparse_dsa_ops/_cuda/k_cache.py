@@ -1,4 +1,5 @@
-"""GPU implementations of the packed FP8 K-cache ops (arguments already checked by ``ops.py``)."""
+"""GPU implementations of the packed FP8 K-cache ops (arguments already checked by the family's contract,
+``sparse_dsa_ops.ops.k_cache``)."""
 
 from __future__ import annotations
 
@@ -171,7 +172,7 @@ def source_keys(op: str, args) -> list[builders.CacheKey]:
     return cache_keys(op, KCacheLayout(args.d_nope, args.d_rope), args.round_scale, args.slot_dtype)
 
 
-BENCH_GEOMETRIES = {"deepseek": (512, 64), "glm": (256, 0)}  # d_nope, d_rope
+BENCH_GEOMETRIES = {"deepseek": (512, 64), "glm5.3-flash 512+0": (512, 0), "256+0": (256, 0)}  # d_nope, d_rope
 COPY_TARGET = (">=", 0.85, "of copy")  # 1M rows of a cache op: a fraction of the device copy of the same run
 
 
@@ -181,5 +182,12 @@ def bench_cases() -> list[dict]:
     for geo, (d_nope, d_rope) in BENCH_GEOMETRIES.items():
         for op in CACHE_OPS:
             cases.append(_cache_case(f"{op} {geo} 1M rows", op, d_nope, d_rope, 1 << 20, COPY_TARGET))
-    cases.append(_cache_case("store_k_cache glm 16 rows", "store_k_cache", 256, 0, 16))
+    cases.append(_cache_case("store_k_cache 256+0 16 rows", "store_k_cache", 256, 0, 16))
     return cases
+
+
+def warmup_keys_of(spec) -> list[builders.CacheKey]:
+    """The K-cache kernels :func:`sparse_dsa_ops.warmup` compiles for ``spec`` (a ``WarmupSpec``)."""
+    if not spec.cache_ops:
+        return []
+    return warmup_keys(KCacheLayout(spec.d_nope, spec.d_rope), spec.round_scale, spec.slot_dtypes)

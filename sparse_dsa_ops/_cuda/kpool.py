@@ -134,3 +134,12 @@ def bench_cases() -> list[dict]:
     """The k-pool cases of ``python -m sparse_dsa_ops bench``: the store of 64K pools, the selection of 128 of the
     8192 pools of a 128K context for 1 and 64 rows."""
     return [_store_case(1 << 16), _topk_case(1, 8192), _topk_case(64, 8192)]
+
+
+def warmup_keys_of(spec) -> list:
+    """The k-pool ops' kernels :func:`sparse_dsa_ops.warmup` compiles for ``spec`` (a ``WarmupSpec``): none without
+    ``kpool``; the pool selection's of ``topk_k // kpool`` pools."""
+    if not spec.kpool:
+        return []
+    pools = spec.topk_k // spec.kpool if spec.topk_k else None
+    return warmup_keys(pools, spec.index_dim, spec.index_page, spec.round_scale, spec.slot_dtypes)

@@ -1,6 +1,7 @@
-"""GPU implementation of the exact top-k selection (arguments already checked by ``ops.py``): the TileLang kernels
-of ``csrc_tl.topk``, one CTA per row when the rows fill the GPU (:func:`plan_topk`), and for few long rows (decode)
-each row split over several CTAs in two launches, whose scratch is allocated per call.
+"""GPU implementation of the exact top-k selection (arguments already checked by the family's contract,
+``sparse_dsa_ops.ops.selection``): the TileLang kernels of ``csrc_tl.topk``, one CTA per row when the rows fill
+the GPU (:func:`plan_topk`), and for few long rows (decode) each row split over several CTAs in two launches, whose
+scratch is allocated per call.
 """
 
 from __future__ import annotations
@@ -149,3 +150,9 @@ def bench_cases() -> list[dict]:
         _case(64, 131072, 2048),
         _case(4096, 65536, 2048, causal=True),
     ]
+
+
+def warmup_keys_of(spec) -> list:
+    """The top-k kernels :func:`sparse_dsa_ops.warmup` compiles for ``spec`` (a ``WarmupSpec``): those of k
+    ``topk_k``, none without it."""
+    return warmup_keys(spec.topk_k, spec.index_page) if spec.topk_k else []

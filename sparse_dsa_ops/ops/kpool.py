@@ -20,22 +20,24 @@ selected, P pages of ``page`` slots. The exact definitions are ``reference.kpool
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
-from .ops import (
-    IndexCache,
-    _declare,
-    _fail,
-    _index_cache,
-    _index_rows,
-    _slots,
-    _tensor,
-    check_topk,
-)
+from .core import Family, KernelSpec, _declare, _fail, _slots, _tensor
+from .indexer import IndexCache, _index_cache, _index_rows
+from .samples import Case, case
+from .selection import check_topk
 
-__all__ = ["KpoolTopkArgs", "kpool_store_index_k", "kpool_topk", "kpool_width"]
+__all__ = [
+    "KpoolTopkArgs",
+    "kpool_width",
+    "check_kpool_store_index_k",
+    "check_kpool_topk",
+    "kpool_store_index_k",
+    "kpool_topk",
+]
 
 _GATE_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -217,3 +219,47 @@ def kpool_topk(
     return torch.ops.dsa.kpool_topk(
         logits, lengths, k, kpool, starts, page_table, row_request, page_size, out_width, tail
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# Self-check cases (``python -m sparse_dsa_ops check``): GLM-5.3-Flash's indexer, pools of 16 tokens, 128-wide keys.
+
+CHECK_KPOOL, CHECK_DIM, CHECK_PAGE = 16, 128, 64
+CHECK_GEOMETRY = "kpool 16 D128 GLM-5.3-Flash"
+
+
+def check_cases(on_cpu: bool) -> list[Case]:
+    """Pools of 16 tokens compressed into the index-K cache (on a GPU, softmax rounds its last float32 bit otherwise
+    than the CPU's now and then, which may move one FP8 code: not exact), and k pools of each row selected and
+    expanded to token slots through a page table, with the tail."""
+    pools, rows, width, k = (256, 8, 512, 16) if on_cpu else (65536, 64, 8192, 128)
+    geo, kp, dim, page = CHECK_GEOMETRY, CHECK_KPOOL, CHECK_DIM, CHECK_PAGE
+
+    def store(gen):
+        k_rows = torch.randn(pools, kp, dim, generator=gen).bfloat16()
+        gate = torch.randn(pools, kp, dim, generator=gen).bfloat16()
+        ape = torch.randn(kp, dim, generator=gen).bfloat16()
+        cache = torch.zeros(2 * pools // page, page * (dim + 4), dtype=torch.uint8)
+        loc = torch.randperm(cache.shape[0] * page, generator=gen)[:pools].int()  # distinct slots, half the cache
+        loc[::7] = -1
+        return k_rows, gate, ape, cache, loc, False
+
+    def select(gen):
+        logits = torch.randn(rows, width, generator=gen)
+        lengths = torch.randint(0, width * kp + kp, (rows,), generator=gen, dtype=torch.int32)
+        token_pages = width * kp // page + 1
+        table = torch.randperm(rows * token_pages, generator=gen).int().reshape(rows, token_pages)
+        return logits, lengths, k, kp, None, table, None, page, -(-kpool_width(k, kp) // 64) * 64
+
+    def keys(op, device):
+        from .._cuda import kpool
+
+        return kpool.source_keys(op, KernelSpec(index_dim=dim, page=page, k=k))
+
+    return [
+        case("kpool_store_index_k", geo, store, functools.partial(keys, "kpool_store_index_k"), False, writes=3),
+        case("kpool_topk", geo, select, functools.partial(keys, "kpool_topk"), name="kpool_topk to slots"),
+    ]
+
+
+FAMILY = Family("kpool", check_cases)
