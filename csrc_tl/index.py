@@ -46,6 +46,10 @@ __all__ = [
     "paged_logits_key",
     "ws_supported",
     "paged_ws_supported",
+    "row_amax",
+    "butterfly_max",
+    "row_scale",
+    "fp8_value",
     "build_quant_index",
     "build_gather_index_k",
     "build_index_logits",
@@ -163,27 +167,38 @@ def _store_width(page: int) -> int:
     return 16 if page % 4 == 0 else 8 if page % 2 == 0 else 4
 
 
-def _amax(x, start: int, count: int):
-    """``max |x[start + i]|`` over ``i < count`` (a power of two) as a tree of pairwise maxima."""
+# The row quantization every kernel that writes index keys shares (``quant_index``, ``store_index_k`` and the k-pool
+# family's store), so that a key's FP8 bytes and scale come out the same whichever kernel wrote it.
+
+
+def row_amax(x, start: int, count: int):
+    """``max |x[start + i]|`` over ``i < count`` as a tree of pairwise maxima (any count: head dims such as 192
+    give a lane 3 chunks)."""
     if count == 1:
         return T.abs(x[start])
-    return T.max(_amax(x, start, count // 2), _amax(x, start + count // 2, count // 2))
+    half = count // 2
+    return T.max(row_amax(x, start, half), row_amax(x, start + half, count - half))
 
 
 @T.macro
-def _butterfly_max(acc, lanes: int):
+def butterfly_max(acc, lanes: int):
     """``acc[0]`` = its maximum over the aligned runs of ``lanes`` threads (a power of two up to 32)."""
     for delta in tuple(lanes >> k for k in range(1, lanes.bit_length())):
         acc[0] = T.max(acc[0], T.shfl_xor(acc[0], delta, GROUP))
 
 
-def _row_scale(amax, round_scale: bool):
+def row_scale(amax, round_scale: bool):
     """``max(amax, 1e-4) / 448`` (float32 division), rounded up to a power of two when ``round_scale`` (exact:
     the scale is a positive normal float, at least 1e-4 / 448)."""
     scale = T.max(amax, T.float32(SCALE_FLOOR)) / T.float32(FP8_MAX)
     if round_scale:
         scale = T.reinterpret((T.reinterpret(scale, T.int32) + POW2_ROUND_UP) & EXPONENT_MASK, T.float32)
     return scale
+
+
+def fp8_value(x, scale):
+    """``x / scale`` (the IEEE float32 division) saturated to +-448 and rounded to the nearest even FP8 value."""
+    return T.cast(T.clamp(x / scale, -FP8_MAX, FP8_MAX), T.float8_e4m3fn)
 
 
 def build_quant_index(key: QuantIndexKey):
@@ -249,17 +264,15 @@ def build_quant_index(key: QuantIndexKey):
                         xs[s * per_lane + p * VEC + v] = T.cast(x[src, (p * lanes + sub) * VEC + v], T.float32)
             for s in T.unroll(sets):
                 slot = slots[s]
-                sc[0] = _amax(xs, s * per_lane, per_lane)
-                _butterfly_max(sc, lanes)
-                sc[0] = _row_scale(sc[0], round_scale)
+                sc[0] = row_amax(xs, s * per_lane, per_lane)
+                butterfly_max(sc, lanes)
+                sc[0] = row_scale(sc[0], round_scale)
                 limit = T.cast(p_count, T.int64) * page if scatter else T.cast(n, T.int64)
                 if slot >= 0 and slot < limit:
                     for p in T.unroll(passes):
                         col = (p * lanes + sub) * VEC
                         for v in T.vectorized(VEC):
-                            qv[v] = T.cast(
-                                T.clamp(xs[s * per_lane + p * VEC + v] / sc[0], -FP8_MAX, FP8_MAX), T.float8_e4m3fn
-                            )
+                            qv[v] = fp8_value(xs[s * per_lane + p * VEC + v], sc[0])
                         if scatter:
                             pg = slot // page
                             off = slot % page
