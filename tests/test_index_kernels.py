@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from csrc_tl import index as ix
+from csrc_tl import kpool as kp
 
 FP8 = torch.float8_e4m3fn
 INT_MIN, INT_MAX = -(2**31), 2**31 - 1
@@ -238,6 +239,11 @@ def test_index_logits_ws_compiles_without_spills(tmp_path):
 
 SWEEP_HEADS = [1, 2, 3, 5, 8, 16, 24, 32, 64, 100, 128]
 PAGED_HEADS = [1, 5, 8, 32, 64, 128]
+KPOOL_VARIANTS = [  # (gate, ape, round_scale, slot dtype) of the k-pool store's sweep keys
+    ("bfloat16", "bfloat16", False, "int32"),
+    ("float32", "float32", True, "int64"),
+    ("float32", "bfloat16", True, "int32"),
+]
 SWEEP_KEYS = (
     [
         ix.QuantIndexKey(d, p, rs, s)
@@ -261,6 +267,11 @@ SWEEP_KEYS = (
         for p in (1, 4, 16, 64, 128)
         for q, ws in (("float8_e4m3fn", True), ("float8_e4m3fn", False), ("bfloat16", False))
         if not ws or ix.paged_ws_supported(D, h, p, q)
+    ]
+    + [  # the k-pool store (csrc_tl/kpool.py) writes the same cache; keys whose pools stay in registers
+        kp.KpoolStoreKey(pool, d, p, *variant)
+        for pool, d, p in ((16, 128, 64), (16, 64, 16), (3, 192, 1), (1, 256, 2), (32, 128, 64))
+        for variant in KPOOL_VARIANTS
     ]
 )
 

@@ -9,15 +9,21 @@ model computes), with their own FP8 rounding, never from ``reference.py``. The C
 tests hold the GPU ops to it.
 """
 
+import functools
 import math
+import re
+import shutil
+from dataclasses import dataclass
 
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import sparse_dsa_ops as dsa
+from csrc_tl.kpool import KpoolStoreKey, build_kpool_store_index_k, lane_plan
 from sparse_dsa_ops import reference
 from tests.oracle import INT_MAX, INT_MIN
+from tests.test_index_kernels import enclosing_conditions
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -494,6 +500,123 @@ def test_gpu_composition_on_cpu_tensors(gen, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------
+# The store's kernel (csrc_tl/kpool.py) on the CPU: its key, its thread mapping, the one launch the backend makes, and
+# what its lowered source shows.
+
+
+def test_store_key_names_spell_the_specialization():
+    assert str(KpoolStoreKey(16, 128, 64)) == "kpool_store_index_k_pool16_d128_p64_gbf16_abf16_i32"
+    key = KpoolStoreKey(3, 64, 1, "float32", "bfloat16", True, "int64")
+    assert key.name == "kpool_store_index_k_pool3_d64_p1_gfp32_abf16_pow2_i64"
+
+
+@pytest.mark.parametrize(
+    "kpool, dim, lanes, passes, pools_per_block, min_blocks, unrolled",
+    [
+        (16, 128, 32, 1, 4, 3, True),  # GLM-5.3-Flash: a warp a pool, 4 channels a lane, 12 warps an SM
+        (16, 64, 16, 1, 8, 3, True),
+        (3, 192, 16, 3, 8, 3, True),
+        (16, 192, 16, 3, 8, 1, False),  # 192 values a lane: the token loops run through local memory
+        (32, 256, 32, 2, 4, 1, False),
+    ],
+)
+def test_store_lane_plan(kpool, dim, lanes, passes, pools_per_block, min_blocks, unrolled):
+    plan = lane_plan(kpool, dim)
+    assert (plan.lanes, plan.passes, plan.pools_per_block) == (lanes, passes, pools_per_block)
+    assert (plan.min_blocks, plan.unrolled) == (min_blocks, unrolled)
+    assert plan.lanes * plan.per_lane == dim  # the pool's lanes own every channel once
+
+
+@pytest.mark.parametrize(
+    "key, message",
+    [
+        (KpoolStoreKey(0, 128, 64), "kpool must be a positive"),
+        (KpoolStoreKey(16, 96, 64), "multiple of 64"),
+        (KpoolStoreKey(16, 128, 0), "page must be a positive"),
+        (KpoolStoreKey(16, 128, 64, gate_dtype="float16"), "gate is bfloat16 or float32"),
+        (KpoolStoreKey(16, 128, 64, ape_dtype="float16"), "ape is bfloat16 or float32"),
+        (KpoolStoreKey(16, 128, 64, slot_dtype="int16"), "int32 or int64"),
+    ],
+    ids=lambda x: x if isinstance(x, str) else x.name,
+)
+def test_store_builder_refuses_bad_keys(key, message):
+    with pytest.raises(AssertionError, match=message):
+        build_kpool_store_index_k(key)
+
+
+def test_gpu_store_is_one_launch_keyed_by_the_call(gen, monkeypatch):
+    # the GPU backend on CPU tensors with its launches recorded: one kernel a call, keyed by the pool size, head dim,
+    # page, both input dtypes, round_scale and the slot dtype, writing into the caller's cache
+    from sparse_dsa_ops._cuda import kpool as gpu
+
+    launches = []
+    monkeypatch.setattr(gpu, "kernel", lambda key: lambda *args: launches.append((key, args)))
+    k, gate, _ = pool_inputs(gen, 5, 3, dim=64, gate_dtype=torch.float32)
+    ape = torch.randn(3, 64, generator=gen).bfloat16()
+    cache = torch.zeros(2, 4, 1, 64 + SCALE_BYTES, dtype=torch.uint8)
+    loc = torch.tensor([0, -1, 7, 8, INT_MAX], dtype=torch.int64)
+    gpu.kpool_store_index_k(
+        dsa.ops.check_kpool_store_index_k(k, gate, ape, cache, loc, True), k, gate, ape, cache, loc, True
+    )
+    ((key, args),) = launches
+    assert key == KpoolStoreKey(3, 64, 4, "float32", "bfloat16", True, "int64")
+    assert [tuple(a.shape) for a in args] == [(5, 3, 64), (5, 3, 64), (3, 64), (5,), (2, 4 * (64 + SCALE_BYTES))]
+    assert args[-1].data_ptr() == cache.data_ptr()
+    launches.clear()
+    none = k[:0], gate[:0], ape, cache, loc[:0]
+    gpu.kpool_store_index_k(dsa.ops.check_kpool_store_index_k(*none), *none)
+    assert not launches  # no pools: nothing to launch
+
+
+@functools.cache
+def lowered_body(key, target: str) -> str:
+    src = dsa._cuda.lower_source(key, target)
+    return src[src.index('extern "C"') :]
+
+
+@pytest.mark.parametrize("target", ["cuda", "hip"], ids=["sm90a", "gfx950"])  # ("cuda" in an id marks a GPU test)
+def test_store_kernel_source(target):
+    src = lowered_body(KpoolStoreKey(KPOOL, DIM, 64), target)
+    # one pass over the pool: every 8-byte load of k and gate comes before the first exponential
+    loads = [m.start() for m in re.finditer(r"= \*\(uint2\*\)\((?:k|gate) \+ ", src)]
+    assert len(loads) == 2 and max(loads) < src.index("expf(")  # (each in a loop over the 16 tokens)
+    # the accurate exponential and the corrected quotients on both targets; divisions only on the fallback path
+    assert "__expf(" not in src and "__builtin_fmaf(__builtin_fmaf(" in src
+    divisions = [m.start() for m in re.finditer(r"ex\[[^\]]*\] / den\[", src)]
+    assert len(divisions) == 1 and divisions[0] > src.index("if (tiny[0] < ")
+    # the amax butterfly over a warp, then every write behind the slot check (int32 ids widened: no truncation)
+    assert len(re.findall(r"shfl_xor\w*\(", src)) == 5
+    writes = enclosing_conditions(src, r"\(\(fp8_e4_t\*\)scales\) \+ .*\) = |\(\(float\*\)scales\)\[.*\] = sc\[0\]")
+    limit = "slot < (((int64_t)p) * (int64_t)64)"
+    assert len(writes) == 2 and all("(int64_t)0 <= slot" in c and limit in c for c in writes), writes
+
+
+def test_store_kernel_amax_covers_three_passes():
+    # D = 192 gives a lane 3 chunks of 4 channels: the row's amax takes all 12 of its values (a tree of pairwise
+    # maxima over a count that is no power of two must split 3 into 1 + 2)
+    src = lowered_body(KpoolStoreKey(3, 192, 16), "cuda")
+    (amax,) = [line for line in src.splitlines() if "sc[0] = max(" in line and "fabsf" in line]
+    assert sorted(int(i) for i in re.findall(r"fabsf\(pooled\[(\d+)\]\)", amax)) == list(range(12))
+
+
+NVCC = shutil.which("nvcc")
+
+
+@pytest.mark.lowering
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
+@pytest.mark.parametrize(
+    "key", [KpoolStoreKey(KPOOL, DIM, 64), KpoolStoreKey(KPOOL, DIM, 64, "float32", "float32", True, "int64")], ids=str
+)
+def test_store_kernel_builds_for_sm90a(key):
+    import tilelang
+
+    program = dsa._cuda.program(key)
+    built = tilelang.compile(program, target=dsa._cuda.TARGETS["cuda"], pass_configs=dsa._cuda.pass_configs(key))
+    # 12 warps an SM: the launch asks ptxas to keep a thread within 168 registers
+    assert "__launch_bounds__(128, 3)" in built.get_kernel_source()
+
+
+# ------------------------------------------------------------------------------------------
 # GPU ops against the reference on CPU copies.
 
 
@@ -570,3 +693,213 @@ def test_cuda_graph_replay_on_new_data(warm):
     want_cache = fresh["cache"].clone()
     want = _decode_step(**{**fresh, "cache": want_cache})  # the same inputs, eagerly
     assert torch.equal(out, want) and torch.equal(inputs["cache"], want_cache)
+
+
+# ------------------------------------------------------------------------------------------
+# The store's kernel on the GPU against the reference, over geometries of every thread mapping. Exact where the
+# weights are exact in float32 (equal logits, or logits so far below the others that their weights vanish in the
+# sum or underflow to 0); within the rounding a weight's last bit can move elsewhere, since the GPU's expf and the
+# CPU's exponential may differ by an ulp. The slots are hostile and the cache is random bytes (NaN codes and scales
+# included) before the call: every byte of an unwritten slot must come back as it was.
+
+
+@dataclass(frozen=True)
+class StoreGeometry:
+    kpool: int
+    dim: int
+    page: int
+
+    def __str__(self) -> str:
+        return f"pool{self.kpool}-d{self.dim}-p{self.page}"
+
+
+STORE_GEOMETRIES = [
+    StoreGeometry(KPOOL, DIM, 64),  # GLM-5.3-Flash: a warp a pool
+    StoreGeometry(3, 64, 1),  # half a warp a pool, pages of one slot
+    StoreGeometry(1, 256, 2),  # two passes a lane; a pool of one token is the token
+    StoreGeometry(KPOOL, 192, 16),  # three passes a lane; the token loops run through local memory
+    StoreGeometry(32, DIM, 16),  # unrolled, the block count left to ptxas
+]
+# (gate dtype, ape dtype, round_scale, slot dtype)
+STORE_VARIANTS = [
+    (torch.bfloat16, torch.bfloat16, False, torch.int32),
+    (torch.float32, torch.float32, True, torch.int64),
+    (torch.float32, torch.bfloat16, False, torch.int64),
+    (torch.bfloat16, torch.float32, True, torch.int32),
+]
+STORE_POOLS = 600  # blocks of 4 and 8 pools with a partial last one
+
+
+def variant_id(v) -> str:
+    gate, ape, round_scale, slot = v
+    name = {torch.bfloat16: "bf16", torch.float32: "fp32"}
+    return f"g{name[gate]}-a{name[ape]}{'-pow2' if round_scale else ''}-{str(slot).removeprefix('torch.')}"
+
+
+def store_key_of(geo: StoreGeometry, variant) -> KpoolStoreKey:
+    name = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.int32: "int32", torch.int64: "int64"}
+    gate, ape, round_scale, slot = variant
+    return KpoolStoreKey(geo.kpool, geo.dim, geo.page, name[gate], name[ape], round_scale, name[slot])
+
+
+@pytest.fixture(scope="module")
+def warm_store():
+    keys = [store_key_of(geo, v) for geo in STORE_GEOMETRIES for v in STORE_VARIANTS]
+    dsa._cuda.warmup(keys, workers=16, progress=False)
+
+
+def hostile_loc(gen, pools: int, slots: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[pools]`` distinct valid slots, every 5th replaced by a sentinel: -1, the dtype's extremes, past the end,
+    negatives; for int64 also ids that wrap onto valid slots if read as int32."""
+    loc = torch.randperm(slots, generator=gen)[:pools].to(torch.int64)
+    junk = [-1, INT_MIN, INT_MAX, slots, slots + 5, -slots]
+    if dtype == torch.int64:
+        junk += [2**40, -(2**40), 2**32 + 3, -(2**63), 2**63 - 1]
+    loc[::5] = torch.tensor(junk)[torch.arange(len(loc[::5])) % len(junk)]
+    return loc.to(dtype)
+
+
+def random_cache(gen, geo: StoreGeometry, pools: int) -> torch.Tensor:
+    pages = -(-3 * pools // (2 * geo.page)) + 1  # unwritten slots besides the written ones
+    return torch.randint(0, 256, (pages, geo.page * (geo.dim + SCALE_BYTES)), generator=gen, dtype=torch.uint8)
+
+
+def exact_inputs(gen, geo: StoreGeometry, variant, case: str):
+    """Pools whose weights are exact: per pool and channel a set of "on" tokens (all of them, or a power-of-two
+    subset) share one logit; the others sit 60 below (weights near 1e-27 / m: their products vanish in the sum, k
+    taken positive so that no sum cancels down to them) or 16384 below (weights 0: the kernel's division path).
+    Keys are multiples of 1/8 up to 8, so that every sum of their products is exact in float32 in any order (the CPU
+    reference sums 32 or more terms in another order than the kernel's)."""
+    gate_dtype, ape_dtype = variant[0], variant[1]
+    sign = torch.randint(0, 2, (STORE_POOLS, geo.kpool, geo.dim), generator=gen) * 2 - 1
+    k = (torch.randint(1, 65, (STORE_POOLS, geo.kpool, geo.dim), generator=gen) * sign / 8).bfloat16()
+    level = torch.randint(-4, 5, (STORE_POOLS, 1, geo.dim), generator=gen).float()
+    bias = torch.randn(1, geo.dim, generator=gen).expand(geo.kpool, geo.dim)  # the same for every position
+    if case == "uniform":
+        gate = level.expand(-1, geo.kpool, -1)
+    else:
+        sizes = [m for m in (1, 2, 4, 8, 16, 32) if m <= geo.kpool]
+        m = torch.tensor(sizes)[torch.randint(0, len(sizes), (STORE_POOLS, 1, geo.dim), generator=gen)]
+        rank = torch.rand(STORE_POOLS, geo.kpool, geo.dim, generator=gen).argsort(dim=1)
+        below = 60.0 if case == "subsets" else 16384.0
+        gate = level - below * (rank >= m)
+        if case == "subsets":
+            k = k.abs()
+    return k, gate.to(gate_dtype).contiguous(), bias.to(ape_dtype).contiguous()
+
+
+def run_store(k, gate, ape, cache, loc, round_scale):
+    """The op on the GPU on copies of CPU tensors -> the cache it wrote, on the CPU."""
+    got = cache.cuda()
+    dsa.kpool_store_index_k(k.cuda(), gate.cuda(), ape.cuda(), got, loc.cuda(), round_scale)
+    return got.cpu()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", ["uniform", "subsets", "subsets-underflow"])
+@pytest.mark.parametrize("variant", STORE_VARIANTS, ids=variant_id)
+@pytest.mark.parametrize("geo", STORE_GEOMETRIES, ids=str)
+def test_cuda_store_kernel_is_exact_where_the_weights_are(warm_store, geo, variant, case):
+    gen = torch.Generator().manual_seed(7)
+    k, gate, ape = exact_inputs(gen, geo, variant, case)
+    cache = random_cache(gen, geo, STORE_POOLS)
+    loc = hostile_loc(gen, STORE_POOLS, cache.shape[0] * geo.page, variant[3])
+    want = cache.clone()
+    reference.kpool_store_index_k(k, gate, ape, want, loc, variant[2])
+    assert not torch.equal(want, cache)
+    assert torch.equal(run_store(k, gate, ape, cache, loc, variant[2]), want)
+
+
+def slot_bytes(cache: torch.Tensor, geo: StoreGeometry) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values [P, page, D] uint8, scales [P, page] float32)`` views of a cache."""
+    values, scales = reference.index_cache_slots(cache, geo.dim)
+    return values, scales.view(torch.float32)[..., 0]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("variant", STORE_VARIANTS, ids=variant_id)
+@pytest.mark.parametrize("geo", STORE_GEOMETRIES, ids=str)
+def test_cuda_store_kernel_random_pools(warm_store, geo, variant):
+    gen = torch.Generator().manual_seed(8)
+    k, gate, ape = pool_inputs(gen, STORE_POOLS, geo.kpool, geo.dim)
+    gate, ape = gate.to(variant[0]), ape.to(variant[1])
+    cache = random_cache(gen, geo, STORE_POOLS)
+    loc = hostile_loc(gen, STORE_POOLS, cache.shape[0] * geo.page, variant[3])
+    want = cache.clone()
+    reference.kpool_store_index_k(k, gate, ape, want, loc, variant[2])
+    got = run_store(k, gate, ape, cache, loc, variant[2])
+
+    valid = (loc >= 0) & (loc < cache.shape[0] * geo.page)
+    slot = loc[valid].long()
+    page, offset = slot // geo.page, slot % geo.page
+    written = torch.zeros(cache.shape[0], geo.page, dtype=torch.bool)
+    written[page, offset] = True
+    got_values, got_scales = slot_bytes(got, geo)
+    want_values, want_scales = slot_bytes(want, geo)
+    # no other byte changed
+    assert torch.equal(got_values[~written], want_values[~written])
+    assert torch.equal(got_scales[~written].view(torch.int32), want_scales[~written].view(torch.int32))
+
+    # A weight whose float32 quotient differs by an ulp may round to the other bfloat16 neighbour (2^-7 relative), and
+    # its product then to the other neighbour too: a product moves by at most 2^-6 of w_i |k_i|, the pooled value by
+    # 2^-6 of M = sum_i w_i |k_i| plus one bfloat16 step of its own (2^-7). The scale follows the amax (or moves by a
+    # factor 2 where round_scale crosses a power of two); each FP8 code lies within half a step of its value (2^-4
+    # relative, 2^-10 of the scale below the normal range). The bounds below hold those with some room; a wrong
+    # token, channel, weight or slot is off by the order of the values themselves.
+    weights = (gate.float() + ape.float()).softmax(dim=1)[valid]  # [V, kpool, D]
+    spread = (weights * k[valid].float().abs()).sum(dim=1)  # [V, D], M
+    a_scale, b_scale = got_scales[page, offset], want_scales[page, offset]  # [V]
+    if variant[2]:
+        assert ((a_scale == b_scale) | (a_scale == 2 * b_scale) | (2 * a_scale == b_scale)).all()
+    else:
+        assert ((a_scale - b_scale).abs() <= 2**-7 * b_scale + 2**-5 * spread.amax(dim=1) / 448).all()
+    assert (a_scale != b_scale).float().mean() <= 0.01
+    a_codes, b_codes = got_values[page, offset], want_values[page, offset]  # [V, D]
+    assert (a_codes != b_codes).float().mean() <= 0.01
+    a = a_codes.view(FP8).float() * a_scale[:, None]
+    b = b_codes.view(FP8).float() * b_scale[:, None]
+    bound = 0.15 * b.abs() + 2**-5 * spread + 2**-8 * torch.maximum(a_scale, b_scale)[:, None]
+    assert ((a - b).abs() <= bound).all()
+
+
+@pytest.mark.cuda
+def test_cuda_store_kernel_nothing_to_store(warm_store):
+    geo = STORE_GEOMETRIES[0]
+    gen = torch.Generator().manual_seed(9)
+    cache = random_cache(gen, geo, 64).cuda()
+    before = cache.clone()
+    k, gate, ape = (t.cuda() for t in pool_inputs(gen, 0, geo.kpool, geo.dim))
+    dsa.kpool_store_index_k(k, gate, ape, cache, torch.zeros(0, dtype=torch.int32, device="cuda"))
+    k, gate, ape = (t.cuda() for t in pool_inputs(gen, 40, geo.kpool, geo.dim))
+    nowhere = torch.tensor([-1, INT_MIN, INT_MAX, cache.shape[0] * geo.page] * 10, dtype=torch.int32, device="cuda")
+    dsa.kpool_store_index_k(k, gate, ape, cache, nowhere)
+    assert torch.equal(cache, before)
+
+
+@pytest.mark.cuda
+def test_cuda_store_kernel_graph_replay(warm_store):
+    # a decode step's store captured once and replayed over new pools and slots (most of them -1)
+    geo = STORE_GEOMETRIES[0]
+    gen = torch.Generator().manual_seed(10)
+    cache = random_cache(gen, geo, 256)
+
+    def inputs():
+        k, gate, ape = pool_inputs(gen, 96, geo.kpool, geo.dim)
+        loc = torch.randperm(cache.shape[0] * geo.page, generator=gen)[:96].int()
+        loc[torch.rand(96, generator=gen) < 0.8] = -1
+        return [t.cuda() for t in (k, gate, ape, loc)]
+
+    static = inputs()
+    got = cache.cuda()
+    dsa.kpool_store_index_k(*static[:3], got, static[3])  # (outside the capture: the kernel is already built)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dsa.kpool_store_index_k(*static[:3], got, static[3])
+    for _ in range(2):
+        fresh = inputs()
+        for buffer, value in zip(static, fresh):
+            buffer.copy_(value)
+        want = got.clone()
+        dsa.kpool_store_index_k(*fresh[:3], want, fresh[3])  # the same step, eagerly
+        graph.replay()
+        assert torch.equal(got, want)

@@ -1,30 +1,50 @@
-"""GPU implementation of the k-pool indexer's ops (arguments already checked by ``kpool.py``).
+"""GPU implementation of the k-pool indexer's ops (arguments already checked by ``ops/kpool.py``).
 
-Both ops are compositions, on the GPU and free of host syncs (capture-safe): ``kpool_store_index_k`` compresses the
-pools with plain torch (the reference's ``kpool_compress``, the model's roundings) and stores them with the indexer
-family's ``store_index_k`` kernel; ``kpool_topk`` selects pools with the top-k family's kernels and expands them with
-``reference.kpool_expand`` (a few elementwise launches and one scatter for the tails). Their kernels are therefore
-the indexer's and the top-k's: warming those up (``warmup(index_heads=..., topk_k=k)``) warms these ops up.
+``kpool_store_index_k`` is one kernel of the family's own (``csrc_tl.kpool``, keys ``KpoolStoreKey``): it reads each
+pool's k and gate once, compresses the pool with the model's roundings and quantizes and stores the key exactly as
+``store_index_k`` does, so it never holds the compressed keys in memory. ``kpool_topk`` is a composition: it selects
+pools with the top-k family's kernels and expands them with ``reference.kpool_expand`` (a few elementwise launches and
+one scatter for the tails). Both are free of host syncs (capture-safe). ``warmup(kpool=..., topk_k=...)`` compiles
+the store for bfloat16 gate and ape and the selection's top-k kernels; a store with a float32 gate or ape compiles
+its own kernel on its first call (which inside a capture raises).
 """
 
 from __future__ import annotations
 
 import torch
 
-from csrc_tl import index as index_builders
+from csrc_tl import kpool as builders
 
 from ..ops import TopkArgs, takes_checked
-from ..reference import kpool_compress, kpool_expand
-from . import indexer, selection
-from .compile import sm_count
+from ..reference import kpool_expand
+from . import selection
+from .common import aligned, slot_dtype
+from .compile import kernel, register_builder, sm_count
 
-__all__ = ["bench_cases", "warmup_keys", "kpool_store_index_k", "kpool_topk"]
+__all__ = ["bench_cases", "warmup_keys", "store_key", "kpool_store_index_k", "kpool_topk"]
+
+register_builder(builders.KpoolStoreKey, builders.build_kpool_store_index_k, builders.pass_configs)
+
+_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}  # gate's and ape's dtypes as the keys name them
+# GLM-5.3-Flash's indexer: pools of 16 tokens, 128 of them selected, 128-wide keys in pages of 64 rows; bfloat16 gate
+# logits and ape, the (gate, ape) dtypes warmed up by default
+KPOOL, DIM, PAGE, POOLS_SELECTED = 16, 128, 64, 128
+MODEL_DTYPES = (("bfloat16", "bfloat16"),)
+
+
+def store_key(layout, k, gate, ape, loc, round_scale=False) -> builders.KpoolStoreKey:
+    """The store kernel of a checked call: pools of ``k.shape[1]`` tokens into ``layout``'s cache."""
+    return builders.KpoolStoreKey(
+        k.shape[1], layout.dim, layout.page, _DTYPES[gate.dtype], _DTYPES[ape.dtype], round_scale, slot_dtype(loc)
+    )
 
 
 @takes_checked
 def kpool_store_index_k(layout, k, gate, ape, cache, loc, round_scale=False):
     if k.shape[0] and layout.slots:
-        indexer.store_index_k(layout, kpool_compress(k, gate, ape), cache, loc, round_scale)
+        pages = cache.view(cache.shape[0], layout.page_bytes)  # (the checker made sure it is contiguous)
+        key = store_key(layout, k, gate, ape, loc, round_scale)
+        kernel(key)(aligned(k), aligned(gate), aligned(ape), aligned(loc), pages)
 
 
 def select_pools(logits, pool_lengths, k, starts):
@@ -51,10 +71,18 @@ def kpool_topk(
     return kpool_expand(pools, lengths, kpool, args.width, tail, page_table, row_request, page_size)
 
 
-def warmup_keys(k=None, dim=128, page=64, round_scale=(False,), slot_dtypes=("int32",)) -> list:
-    """The kernels of the k-pool ops: the index-K store of ``dim``-wide keys into pages of ``page`` pool rows, and
-    the top-k kernels of k pools (both schemes, with and without ``starts``)."""
-    keys = [index_builders.QuantIndexKey(dim, page, rs, sd) for rs in round_scale for sd in slot_dtypes]
+def warmup_keys(
+    k=None, dim=DIM, page=PAGE, round_scale=(False,), slot_dtypes=("int32",), kpool=KPOOL, dtypes=MODEL_DTYPES
+) -> list:
+    """The kernels of the k-pool ops: the store of pools of ``kpool`` tokens of ``dim``-wide keys into pages of
+    ``page`` pool rows, for each pair of (gate, ape) ``dtypes``, and the top-k kernels of k pools (both schemes, with
+    and without ``starts``)."""
+    keys = [
+        builders.KpoolStoreKey(kpool, dim, page, gate, ape, rs, sd)
+        for gate, ape in dtypes
+        for rs in round_scale
+        for sd in slot_dtypes
+    ]
     if k:
         keys += selection.warmup_keys(k, page, paged=(False,))
     return keys
@@ -63,20 +91,24 @@ def warmup_keys(k=None, dim=128, page=64, round_scale=(False,), slot_dtypes=("in
 SOURCE_OPS = ("kpool_store_index_k", "kpool_topk")  # the ops ``python -m sparse_dsa_ops source`` prints kernels of
 
 
-def source_keys(op: str, args) -> list:
-    """The kernels ``op`` runs for the command line's ``args``: ``store_index_k``'s for ``index_dim``, ``page``,
-    ``round_scale`` and ``slot_dtype``; the pool selection's top-k kernels of k pools (both schemes)."""
+def source_keys(op: str, spec) -> list:
+    """The kernels ``op`` runs for ``spec`` (a ``KernelSpec``): the store of GLM-5.3-Flash's pools (KPOOL tokens,
+    bfloat16 gate and ape: the spec names none of these) for ``index_dim``, ``page``, ``round_scale`` and
+    ``slot_dtype``; the pool selection's top-k kernels of k pools (both schemes)."""
     if op == "kpool_store_index_k":
-        return [index_builders.QuantIndexKey(args.index_dim, args.page, args.round_scale, args.slot_dtype)]
-    return selection.TopkPlan(1, 0).keys(args.k, 0, False, False) + selection.TopkPlan(2, 0).keys(
-        args.k, 0, False, False
+        return [
+            builders.KpoolStoreKey(
+                KPOOL, spec.index_dim, spec.page, round_scale=spec.round_scale, slot_dtype=spec.slot_dtype
+            )
+        ]
+    return selection.TopkPlan(1, 0).keys(spec.k, 0, False, False) + selection.TopkPlan(2, 0).keys(
+        spec.k, 0, False, False
     )
 
 
 # ----------------------------------------------------------------------------------------------
 # Bench cases (GLM-5.3-Flash's indexer: pools of 16 tokens, 128 selected, 128-wide keys, 64-row pages).
 
-KPOOL, DIM, PAGE, POOLS_SELECTED = 16, 128, 64, 128
 STORE_TARGET = (">=", 0.80, "of copy")
 ROW_TARGET = ("<=", 10.0, "us")
 ROWS_TARGET = (">=", 0.60, "of copy")
@@ -93,7 +125,7 @@ def _store_case(pools: int) -> dict:
         loc = torch.randperm(pages * PAGE, device="cuda", generator=gen)[:pools].int()
         return k, gate, ape, cache, loc, False
 
-    key = index_builders.QuantIndexKey(DIM, PAGE)
+    key = builders.KpoolStoreKey(KPOOL, DIM, PAGE)
     moved = pools * (2 * 2 * KPOOL * DIM + DIM + 4 + 4)  # k and gate read, the row and its scale written, the slot
     return dict(
         name=f"kpool_store_index_k {pools >> 10}K pools of {KPOOL}",
@@ -138,8 +170,9 @@ def bench_cases() -> list[dict]:
 
 def warmup_keys_of(spec) -> list:
     """The k-pool ops' kernels :func:`sparse_dsa_ops.warmup` compiles for ``spec`` (a ``WarmupSpec``): none without
-    ``kpool``; the pool selection's of ``topk_k // kpool`` pools."""
+    ``kpool``; the store's for pools of ``kpool`` tokens with bfloat16 gate and ape (the spec names no dtypes), and
+    the pool selection's of ``topk_k // kpool`` pools."""
     if not spec.kpool:
         return []
     pools = spec.topk_k // spec.kpool if spec.topk_k else None
-    return warmup_keys(pools, spec.index_dim, spec.index_page, spec.round_scale, spec.slot_dtypes)
+    return warmup_keys(pools, spec.index_dim, spec.index_page, spec.round_scale, spec.slot_dtypes, spec.kpool)
