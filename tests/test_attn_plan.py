@@ -23,13 +23,11 @@ from csrc_tl.sparse_attn import (
     ws_plan,
     ws_supported,
 )
+from csrc_tl.sparse_attn.keys import AttnKey, CombineKey
 from csrc_tl.sparse_attn.launch import (
-    PERSISTENT,
-    PORTABLE,
     TAIL_MIN_BLOCKS,
     TAIL_MIN_SPLITS,
     TOPK_BLOCK,
-    WARP_SPECIALIZED,
     WS_SPLIT_BLOCKS,
     AttnKernels,
     AttnLaunch,
@@ -232,73 +230,77 @@ def launch_id(v) -> str:
 
 
 GLM_PACKED = geometry("packed", 256, 0)
-WS_KERNELS_64 = AttnKernels(WARP_SPECIALIZED, 0, WARP_SPECIALIZED, 64, pdl=True)
-PERSISTENT_132 = AttnKernels(PERSISTENT, 132, WARP_SPECIALIZED, 64, pdl=True)
+GLM_BF16 = geometry("bf16", 256, 0)
+SHARD_16 = geometry("packed", 512, 0, heads=16)
+DS_PACKED_128 = geometry("packed", 512, 64, heads=128)
+DS_BF16_128 = geometry("bf16", 512, 64, heads=128)
+
+
+def kernels(geo, ws=True, ctas=0, partial_heads=64, transposed=False) -> AttnKernels:
+    """The kernel keys of ``geo``: warp-specialized (``ctas``: a persistent prefill's grid) or portable."""
+    return AttnKernels(
+        AttnKey("prefill_ws" if ws else "prefill", geo, ctas, transposed=transposed),
+        AttnKey("decode_ws" if ws else "decode", geo, transposed=transposed),
+        CombineKey(geo.d_v, geo.heads, partial_heads, ws),
+    )
 
 
 @pytest.mark.parametrize(
     "geo, tokens, topk, sm_count, sm90, want",
     [
         # the persistent GLM packed prefill: 31 whole rounds of 132 items, the last 4 tokens in 16 splits of 2 blocks
-        (GLM_PACKED, 4096, 2048, 132, True, AttnLaunch(PERSISTENT_132, 4096, 4092, 16)),
+        (GLM_PACKED, 4096, 2048, 132, True, AttnLaunch(kernels(GLM_PACKED, ctas=132), 4096, 4092, 16)),
         # ... its whole rounds alone, and items too short to split off
-        (GLM_PACKED, 4092, 2048, 132, True, AttnLaunch(PERSISTENT_132, 4092, 4092)),
-        (GLM_PACKED, 4096, 512, 132, True, AttnLaunch(PERSISTENT_132, 4096, 4096)),
+        (GLM_PACKED, 4092, 2048, 132, True, AttnLaunch(kernels(GLM_PACKED, ctas=132), 4092, 4092)),
+        (GLM_PACKED, 4096, 512, 132, True, AttnLaunch(kernels(GLM_PACKED, ctas=132), 4096, 4096)),
         # on 78 SMs the persistent grid is 78 CTAs: 52 rounds take 4056 tokens, and the last 40 fill over half the SMs,
         # so the split path would not split them: the prefill takes them all
-        (GLM_PACKED, 4096, 2048, 78, True, AttnLaunch(dataclasses.replace(PERSISTENT_132, ctas=78), 4096, 4096)),
+        (GLM_PACKED, 4096, 2048, 78, True, AttnLaunch(kernels(GLM_PACKED, ctas=78), 4096, 4096)),
         # decode T 1: the warp-specialized split kernel keeps two blocks per split, the portable one takes one
-        (geometry("bf16", 256, 0), 1, 2048, 132, True, AttnLaunch(WS_KERNELS_64, 1, 0, 16)),
-        (
-            geometry("bf16", 256, 0),
-            1,
-            2048,
-            132,
-            False,
-            AttnLaunch(AttnKernels(PORTABLE, 0, PORTABLE, 64, pdl=False), 1, 0, 32),
-        ),
+        (GLM_BF16, 1, 2048, 132, True, AttnLaunch(kernels(GLM_BF16), 1, 0, 16)),
+        (GLM_BF16, 1, 2048, 132, False, AttnLaunch(kernels(GLM_BF16, ws=False), 1, 0, 32)),
         # a 16-head shard: the warp-specialized kernels run the transposed consumers; the split kernel's partials
         # still have a whole 64-head block, the portable one's 16
         (
-            geometry("packed", 512, 0, heads=16),
+            SHARD_16,
             1,
             2048,
             132,
             True,
-            AttnLaunch(AttnKernels(WARP_SPECIALIZED, 0, WARP_SPECIALIZED, 64, True, True, True), 1, 0, 16),
+            AttnLaunch(kernels(SHARD_16, transposed=True), 1, 0, 16),
         ),
         (
-            geometry("packed", 512, 0, heads=16),
+            SHARD_16,
             1,
             2048,
             132,
             False,
-            AttnLaunch(AttnKernels(PORTABLE, 0, PORTABLE, 16, False), 1, 0, 32),
+            AttnLaunch(kernels(SHARD_16, ws=False, partial_heads=16), 1, 0, 32),
         ),
         # DeepSeek: T 17 at 128 heads is 34 items (3 splits), T 256 fills the GPU; one CTA per item, no tail
         (
-            geometry("packed", 512, 64, heads=128),
+            DS_PACKED_128,
             17,
             2048,
             132,
             True,
-            AttnLaunch(dataclasses.replace(WS_KERNELS_64, partial_heads=128), 17, 0, 3),
+            AttnLaunch(kernels(DS_PACKED_128, partial_heads=128), 17, 0, 3),
         ),
         (
-            geometry("packed", 512, 64, heads=128),
+            DS_PACKED_128,
             256,
             2048,
             132,
             True,
-            AttnLaunch(dataclasses.replace(WS_KERNELS_64, partial_heads=128), 256, 256),
+            AttnLaunch(kernels(DS_PACKED_128, partial_heads=128), 256, 256),
         ),
         (
-            geometry("bf16", 512, 64, heads=128),
+            DS_BF16_128,
             4100,
             2048,
             132,
             True,
-            AttnLaunch(dataclasses.replace(WS_KERNELS_64, partial_heads=128), 4100, 4100),
+            AttnLaunch(kernels(DS_BF16_128, partial_heads=128), 4100, 4100),
         ),
     ],
     ids=lambda v: launch_id(v),
@@ -329,7 +331,7 @@ def test_launch_plan_invariants(sm90):
         k = launch.kernels
         assert k == attn_kernels(geo, sm90, sm_count)
         ws = sm90 and ws_supported(geo)
-        assert (k.split == WARP_SPECIALIZED) == ws and (k.prefill != PORTABLE) == ws and k.pdl == ws
+        assert k.split.warp_specialized == ws and k.prefill.warp_specialized == ws and k.combine.pdl == ws
         block = 64 if ws else head_block(heads)  # heads of a split kernel's block
         assert k.partial_heads == -(-heads // block) * block
         assert launch.prefill_tokens + launch.split_tokens == tokens
@@ -338,18 +340,18 @@ def test_launch_plan_invariants(sm90):
             assert launch.split_tokens * items * launch.splits <= sm_count, "one wave of splits"
             assert topk // TOPK_BLOCK // launch.splits >= (WS_SPLIT_BLOCKS if ws else 1)
         if launch.prefill_tokens and launch.split_tokens:  # a persistent prefill's last round split off
-            assert k.prefill == PERSISTENT and launch.prefill_tokens * items % k.ctas == 0
+            assert k.ctas and launch.prefill_tokens * items % k.ctas == 0
             assert launch.splits >= TAIL_MIN_SPLITS and topk // TOPK_BLOCK >= TAIL_MIN_BLOCKS
 
 
 def test_launch_plan_persistent_ctas():
     # the persistent prefill's grid: one CTA per SM of the GPU the plan is for, an H200's where none is given
     assert attn_kernels(GLM_PACKED, True).ctas == DEFAULT_CTAS
-    assert attn_kernels(GLM_PACKED, True, 78) == AttnKernels(PERSISTENT, 78, WARP_SPECIALIZED, 64, pdl=True)
-    assert attn_kernels(GLM_PACKED, False, 78) == AttnKernels(PORTABLE, 0, PORTABLE, 64, pdl=False)
+    assert attn_kernels(GLM_PACKED, True, 78) == kernels(GLM_PACKED, ctas=78)
+    assert attn_kernels(GLM_PACKED, False, 78) == kernels(GLM_PACKED, ws=False)
     # no other prefill is persistent (DeepSeek packed rows, native FP8 rows, bf16 rows)
     for geo in (geometry("packed", 512, 64), geometry("fp8", 256, 0, q_fp8=True), geometry("bf16", 256, 0)):
-        assert attn_kernels(geo, True, 78).prefill == WARP_SPECIALIZED
+        assert attn_kernels(geo, True, 78).prefill == AttnKey("prefill_ws", geo)
 
 
 def test_launch_plan_is_frozen_and_checked():
@@ -360,8 +362,8 @@ def test_launch_plan_is_frozen_and_checked():
         launch.splits = 1
     with pytest.raises(AssertionError, match="split path runs"):
         AttnLaunch(launch.kernels, 4096, 4096, 16)
-    with pytest.raises(AssertionError, match="persistent prefill's grid"):
-        AttnKernels(PERSISTENT, 0, WARP_SPECIALIZED, 64, pdl=True)
+    with pytest.raises(AssertionError, match="a prefill kernel and a split kernel"):
+        AttnKernels(launch.kernels.split, launch.kernels.prefill, launch.kernels.combine)
     with pytest.raises(AssertionError, match="no tokens"):
         plan_launch(GLM_PACKED, 0, 2048, 132, True)
 
@@ -375,28 +377,17 @@ def test_topk_block_is_the_split_kernels_block():
 
 
 def test_backend_plan_is_the_launch_plan():
-    """The GPU backend's plan of a call is the launch plan's kernels as kernel keys, nothing decided again."""
+    """The GPU backend's plan of a call is the launch plan itself: its kernel keys, nothing translated or decided
+    again."""
     from sparse_dsa_ops import _cuda
 
     for tokens, topk, target in ((4096, 2048, "cuda"), (1, 2048, "cuda"), (4096, 2048, "hip"), (17, 2112, "hip")):
         launch = plan_launch(GLM_PACKED, tokens, topk, 132, target == "cuda")
         plan = _cuda.plan_attn("packed", 256, 0, 64, GLM_PACKED.sm_scale, False, False, tokens, topk, 132, target)
-        assert (plan.tokens, plan.prefill_tokens, plan.splits) == (tokens, launch.prefill_tokens, launch.splits)
-        prefill = {PORTABLE: "attn_prefill", WARP_SPECIALIZED: "attn_prefill_ws", PERSISTENT: "attn_prefill_ws"}
-        if launch.prefill_tokens:
-            ctas = launch.kernels.ctas if launch.kernels.prefill == PERSISTENT else 0
-            assert (plan.prefill.family, plan.prefill.ctas) == (prefill[launch.kernels.prefill], ctas)
-            assert plan.prefill.geo == GLM_PACKED
-        else:
-            assert plan.prefill is None
-        if launch.split_tokens:
-            split, combine = plan.split
-            assert split.family == ("attn_decode_ws" if launch.kernels.split == WARP_SPECIALIZED else "attn_decode")
-            assert (combine.d_v, combine.heads) == (256, 64)
-            assert combine.partial_heads == launch.kernels.partial_heads == plan.partial_heads
-            assert combine.pdl == launch.kernels.pdl
-        else:
-            assert plan.split == ()
+        assert plan == launch
+        assert plan.keys == ((plan.kernels.prefill,) if launch.prefill_tokens else ()) + (
+            (plan.kernels.split, plan.kernels.combine) if launch.split_tokens else ()
+        )
 
 
 def test_a_sink_or_max_logits_changes_the_prefill_kernel_and_a_sink_the_combine():
@@ -447,11 +438,11 @@ def test_transposed_consumers_at_tensor_parallel_shards(heads, kind, d_v, d_rope
     geo = geometry(kind, d_v, d_rope, heads=heads)
     kernels = attn_kernels(geo, True, 132)
     assert TRANSPOSED_PLAN_HEADS == (TRANSPOSED_MAX_HEADS, TRANSPOSED_MAX_HEADS) == (32, 32)
-    assert kernels.split_transposed == (heads <= 32)
-    assert kernels.prefill_transposed == (heads <= 32 and d_v == 512)
+    assert kernels.split.transposed == (heads <= 32)
+    assert kernels.prefill.transposed == (heads <= 32 and d_v == 512)
     if heads <= TRANSPOSED_MAX_HEADS:
         plan = ws_plan(geo, split=True, transposed=True)
         assert plan.hb == transposed_head_block(heads) == -(-heads // 8) * 8 and not plan.paired
-    assert not attn_kernels(geo, False, 132).split_transposed
+    assert not attn_kernels(geo, False, 132).split.transposed
     plain = attn_kernels(geo, True, 132, transposed=False)
-    assert not plain.prefill_transposed and not plain.split_transposed
+    assert not plain.prefill.transposed and not plain.split.transposed

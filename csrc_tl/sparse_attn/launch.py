@@ -14,12 +14,10 @@ import math
 from dataclasses import dataclass
 
 from .geometry import DEFAULT_TILES, TRANSPOSED_MAX_HEADS, AttnGeometry, head_block, partial_heads
+from .keys import AttnKey, CombineKey
 from .plan import DEFAULT_CTAS, ws_persistent, ws_supported, ws_transposed
 
 __all__ = [
-    "PORTABLE",
-    "WARP_SPECIALIZED",
-    "PERSISTENT",
     "TOPK_BLOCK",
     "WS_SPLIT_BLOCKS",
     "TAIL_MIN_BLOCKS",
@@ -31,12 +29,6 @@ __all__ = [
     "plan_splits",
     "plan_tail",
 ]
-
-# The kernels (AttnKernels.prefill, AttnKernels.split): build_attn, build_attn_ws with one CTA per (token, head block)
-# item, build_attn_ws persistent (ws_persistent: a grid of AttnKernels.ctas CTAs walks the items)
-PORTABLE = "portable"
-WARP_SPECIALIZED = "ws"
-PERSISTENT = "persistent"
 
 # Top-k rows of a block of either split kernel (the portable kernel's decode tile; the warp-specialized split kernel
 # always takes 64-row blocks): a split is whole blocks of a token's top-k range, whose width is a multiple of it.
@@ -63,24 +55,25 @@ TAIL_MIN_SPLITS = 3
 
 @dataclass(frozen=True)
 class AttnKernels:
-    """The kernels of one geometry on one target (made by :func:`attn_kernels`): the prefill kernel, the split
-    kernel and the combine after it. Every call of the geometry runs some of them (:class:`AttnLaunch`)."""
+    """The kernels of one geometry on one target, as kernel keys (made by :func:`attn_kernels`): the prefill kernel,
+    the split kernel and the combine after it. Every call of the geometry runs some of them (:class:`AttnLaunch`)."""
 
-    prefill: str  # PORTABLE, WARP_SPECIALIZED or PERSISTENT
-    ctas: int  # CTAs of a PERSISTENT prefill (its grid); 0 for the others
-    split: str  # the split kernel: PORTABLE or WARP_SPECIALIZED
-    partial_heads: int  # head rows of the split kernel's partial output (whole head blocks), which the combine reads
-    pdl: bool  # the combine is launched as the split kernel's programmatic dependent (sm_90)
-    # the warp-specialized prefill / split kernel runs the few-heads consumers (csrc_tl.sparse_attn.ws_transposed)
-    prefill_transposed: bool = False
-    split_transposed: bool = False
+    prefill: AttnKey  # portable, warp-specialized, or warp-specialized and persistent (a grid of prefill.ctas CTAs)
+    split: AttnKey  # the split kernel: portable or warp-specialized
+    combine: CombineKey  # reads the split kernel's partials of combine.partial_heads head rows (whole head blocks)
 
     def __post_init__(self):
-        assert self.prefill in (PORTABLE, WARP_SPECIALIZED, PERSISTENT), f"unknown prefill kernel {self.prefill}"
-        assert self.split in (PORTABLE, WARP_SPECIALIZED), f"unknown split kernel {self.split}"
-        assert (self.ctas >= 1) == (self.prefill == PERSISTENT), "CTAs are the persistent prefill's grid"
-        assert not self.prefill_transposed or self.prefill != PORTABLE, "transposed: a warp-specialized prefill"
-        assert not self.split_transposed or self.split == WARP_SPECIALIZED, "transposed: a warp-specialized split"
+        assert not self.prefill.split and self.split.split, "a prefill kernel and a split kernel"
+        assert self.prefill.geo == self.split.geo, "the kernels of one geometry"
+
+    @property
+    def ctas(self) -> int:
+        """The persistent prefill's grid (0: one CTA per token and head block)."""
+        return self.prefill.ctas
+
+    @property
+    def partial_heads(self) -> int:
+        return self.combine.partial_heads
 
 
 @dataclass(frozen=True)
@@ -104,9 +97,41 @@ class AttnLaunch:
         """The last tokens, which take the split path (0 where the prefill takes them all)."""
         return self.tokens - self.prefill_tokens
 
+    @property
+    def prefill(self) -> AttnKey | None:
+        """The prefill kernel, where it runs (None in a decode)."""
+        return self.kernels.prefill if self.prefill_tokens else None
+
+    @property
+    def split(self) -> tuple:
+        """``(split kernel, combine)`` where tokens take the split path, else ``()``."""
+        return (self.kernels.split, self.kernels.combine) if self.split_tokens else ()
+
+    @property
+    def partial_heads(self) -> int:
+        return self.kernels.partial_heads
+
+    @property
+    def keys(self) -> tuple:
+        """Every kernel the call launches, in order."""
+        return ((self.prefill,) if self.prefill else ()) + self.split
+
+    def __str__(self) -> str:
+        split = f"{self.kernels.split.family} x{self.splits} + combine" if self.split else ""
+        if not self.prefill:
+            return split
+        if not self.split:
+            return self.prefill.family
+        return f"{self.prefill.family} + {split} (last {self.split_tokens} tokens)"
+
 
 def attn_kernels(
-    geo: AttnGeometry, sm90: bool, sm_count: int | None = None, transposed: bool | None = None
+    geo: AttnGeometry,
+    sm90: bool,
+    sm_count: int | None = None,
+    transposed: bool | None = None,
+    sink: bool = False,
+    max_logits: bool = False,
 ) -> AttnKernels:
     """The kernels of ``geo`` on a target, sm_90 CUDA where ``sm90``. There, where the geometry allows
     (:func:`csrc_tl.sparse_attn.ws_supported`, any head count), the prefill and the split kernel are warp-specialized,
@@ -116,30 +141,29 @@ def attn_kernels(
     :data:`~csrc_tl.sparse_attn.geometry.TRANSPOSED_MAX_HEADS` heads or fewer (a tensor-parallel shard) the
     warp-specialized kernels run the transposed few-heads consumers where they apply
     (:func:`csrc_tl.sparse_attn.ws_transposed`); ``transposed=False`` asks for the plain ones, ``True`` for the
-    transposed ones wherever they are built (up to TRANSPOSED_MAX_HEADS heads): the bench's same-run comparison."""
+    transposed ones wherever they are built (up to TRANSPOSED_MAX_HEADS heads): the bench's same-run comparison.
+    With ``sink`` the prefill kernel and the combine take an attention sink, with ``max_logits`` the prefill kernel
+    writes the row maxima (its ``sink_max`` variant does both)."""
     ws = sm90 and ws_supported(geo)
-    if not ws:
-        prefill, ctas = PORTABLE, 0
-    elif ws_persistent(geo, split=False):
-        prefill, ctas = PERSISTENT, DEFAULT_CTAS if sm_count is None else sm_count
-    else:
-        prefill, ctas = WARP_SPECIALIZED, 0
-    split = WARP_SPECIALIZED if ws else PORTABLE
+    ctas = (DEFAULT_CTAS if sm_count is None else sm_count) if ws and ws_persistent(geo, split=False) else 0
     few = ws and transposed is not False
     most = TRANSPOSED_MAX_HEADS if transposed else None
-    return AttnKernels(
-        prefill,
-        ctas,
-        split,
-        partial_heads(geo.heads, ws),
-        pdl=ws,
-        prefill_transposed=few and ws_transposed(geo, False, most),
-        split_transposed=few and ws_transposed(geo, True, most),
+    prefill = AttnKey(
+        "prefill_ws" if ws else "prefill", geo, ctas, sink or max_logits, few and ws_transposed(geo, False, most)
     )
+    split = AttnKey("decode_ws" if ws else "decode", geo, transposed=few and ws_transposed(geo, True, most))
+    return AttnKernels(prefill, split, CombineKey(geo.d_v, geo.heads, partial_heads(geo.heads, ws), ws, sink))
 
 
 def plan_launch(
-    geo: AttnGeometry, tokens: int, topk: int, sm_count: int, sm90: bool, transposed: bool | None = None
+    geo: AttnGeometry,
+    tokens: int,
+    topk: int,
+    sm_count: int,
+    sm90: bool,
+    transposed: bool | None = None,
+    sink: bool = False,
+    max_logits: bool = False,
 ) -> AttnLaunch:
     """The launch of one call over ``tokens`` tokens (T >= 1) of top-k width ``topk`` (K, a multiple of
     :data:`TOPK_BLOCK`) on a GPU of ``sm_count`` SMs, on sm_90 CUDA where ``sm90``, with the kernels of
@@ -150,12 +174,12 @@ def plan_launch(
     in 16 splits; a decode T 1 at 64 heads: 16 splits of the warp-specialized split kernel (32 of the portable
     one elsewhere)."""
     assert tokens >= 1, "a call of no tokens launches nothing"
-    kernels = attn_kernels(geo, sm90, sm_count, transposed)
-    min_blocks = WS_SPLIT_BLOCKS if kernels.split == WARP_SPECIALIZED else 1
+    kernels = attn_kernels(geo, sm90, sm_count, transposed, sink, max_logits)
+    min_blocks = WS_SPLIT_BLOCKS if kernels.split.warp_specialized else 1
     splits = plan_splits(tokens, geo.heads, topk, sm_count, min_blocks)
     if splits > 1:
         return AttnLaunch(kernels, tokens, 0, splits)
-    if kernels.prefill == PERSISTENT:
+    if kernels.ctas:  # a persistent prefill
         prefill_tokens, splits = plan_tail(tokens, geo.heads, topk, kernels.ctas, sm_count)
         return AttnLaunch(kernels, tokens, prefill_tokens, splits)
     return AttnLaunch(kernels, tokens, tokens)

@@ -6,7 +6,7 @@ implementation of each of its ops under the op's name (``register_backend`` find
 from importlib import import_module
 
 from ..ops import FAMILY_NAMES
-from .attention import AttnPlan, attn_keys, plan_attn, plan_splits, plan_tail
+from .attention import attn_keys, plan_attn, plan_splits, plan_tail
 from .compile import TARGETS, kernel, lower_source, pass_configs, program, warmup
 from .k_cache import cache_keys
 
@@ -23,7 +23,6 @@ __all__ = [
     "warmup",
     "cache_keys",
     "attn_keys",
-    "AttnPlan",
     "plan_attn",
     "plan_splits",
     "plan_tail",

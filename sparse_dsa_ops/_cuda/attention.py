@@ -5,24 +5,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 
 from csrc_tl.sparse_attn import AttnGeometry
 from csrc_tl.sparse_attn import keys as builders
 from csrc_tl.sparse_attn.keys import AttnKey, CombineKey
-from csrc_tl.sparse_attn.launch import (
-    PERSISTENT,
-    PORTABLE,
-    WARP_SPECIALIZED,
-    AttnKernels,
-    AttnLaunch,
-    attn_kernels,
-    plan_launch,
-    plan_splits,
-    plan_tail,
-)
+from csrc_tl.sparse_attn.launch import AttnLaunch, attn_kernels, plan_launch, plan_splits, plan_tail
 
 from ..ops import OPS, AttnArgs, check_gather_dequant_k_cache, takes_checked
 from . import k_cache
@@ -36,7 +25,6 @@ __all__ = [
     "warmup_keys",
     "plan_splits",
     "plan_tail",
-    "AttnPlan",
     "plan_attn",
     "sparse_attn",
     "sparse_attn_with_max_logits",
@@ -47,23 +35,6 @@ __all__ = [
 
 register_builder(AttnKey, builders.build, builders.pass_configs)
 register_builder(CombineKey, builders.build, builders.pass_configs)
-
-# The kernel schemes of the launch plan's kernels (csrc_tl.sparse_attn.launch)
-_PREFILL_SCHEMES = {PORTABLE: "prefill", WARP_SPECIALIZED: "prefill_ws", PERSISTENT: "prefill_ws"}
-_SPLIT_SCHEMES = {PORTABLE: "decode", WARP_SPECIALIZED: "decode_ws"}
-
-
-def _kernel_keys(
-    geo: AttnGeometry, kernels: AttnKernels, sink: bool = False, max_logits: bool = False
-) -> tuple[AttnKey, AttnKey, CombineKey]:
-    """``(prefill kernel, split kernel, combine)``: the keys of the launch plan's ``kernels`` of ``geo``; with
-    ``sink`` the prefill kernel and the combine take an attention sink, with ``max_logits`` the prefill kernel writes
-    the row maxima (its ``sink_max`` variant does both)."""
-    ctas = kernels.ctas if kernels.prefill == PERSISTENT else 0  # the persistent kernel's grid
-    prefill = AttnKey(_PREFILL_SCHEMES[kernels.prefill], geo, ctas, sink or max_logits, kernels.prefill_transposed)
-    split = AttnKey(_SPLIT_SCHEMES[kernels.split], geo, transposed=kernels.split_transposed)
-    combine = CombineKey(geo.d_v, geo.heads, kernels.partial_heads, kernels.pdl, sink)
-    return prefill, split, combine
 
 
 def _geometry(
@@ -106,52 +77,10 @@ def attn_keys(
     geo = _geometry(kv_kind, d_v, d_rope, heads, sm_scale, has_topk_length, q_fp8)
     if sm_count is None and target is None and torch.cuda.is_available():
         sm_count = _sm_count_here()
-    prefill, split, combine = _kernel_keys(geo, attn_kernels(geo, _sm90(target), sm_count), sink, max_logits)
-    return ([prefill] if "prefill" in paths else []) + ([split, combine] if "decode" in paths else [])
-
-
-@dataclass(frozen=True)
-class AttnPlan:
-    """What ``sparse_attn`` launches for one call of ``tokens`` tokens (the keys of its launch plan,
-    :class:`csrc_tl.sparse_attn.launch.AttnLaunch`): the prefill kernel over the first ``prefill_tokens`` of them
-    (none in a decode), then, where tokens remain (a decode, or a persistent prefill's last partial round:
-    :func:`plan_tail`), a split kernel over ``splits`` parts of their top-k ranges followed by the combine."""
-
-    tokens: int
-    prefill: AttnKey | None  # None in a decode
-    prefill_tokens: int
-    split: tuple = ()  # (split kernel, combine) where tokens take the split path
-    splits: int = 1
-    partial_heads: int = 0  # head rows of the split kernel's partial output (the combine's partial_heads)
-
-    @property
-    def keys(self) -> tuple:
-        """Every kernel the call launches, in order."""
-        return ((self.prefill,) if self.prefill else ()) + self.split
-
-    def __str__(self) -> str:
-        split = f"{self.split[0].family} x{self.splits} + combine" if self.split else ""
-        if not self.prefill:
-            return split
-        if not self.split:
-            return self.prefill.family
-        return f"{self.prefill.family} + {split} (last {self.tokens - self.prefill_tokens} tokens)"
-
-    @classmethod
-    def of(cls, geo: AttnGeometry, launch: AttnLaunch, sink: bool = False, max_logits: bool = False) -> AttnPlan:
-        """The kernel keys of ``launch``, a call's launch plan over ``geo`` (``sink``: with an attention sink,
-        ``max_logits``: with the row maxima)."""
-        prefill, split, combine = _kernel_keys(geo, launch.kernels, sink, max_logits)
-        if not launch.split_tokens:
-            return cls(launch.tokens, prefill, launch.tokens)
-        return cls(
-            launch.tokens,
-            prefill if launch.prefill_tokens else None,
-            launch.prefill_tokens,
-            (split, combine),
-            launch.splits,
-            launch.kernels.partial_heads,
-        )
+    kernels = attn_kernels(geo, _sm90(target), sm_count, sink=sink, max_logits=max_logits)
+    return ([kernels.prefill] if "prefill" in paths else []) + (
+        [kernels.split, kernels.combine] if "decode" in paths else []
+    )
 
 
 @functools.lru_cache(maxsize=4096)
@@ -170,13 +99,12 @@ def plan_attn(
     sink: bool = False,
     max_logits: bool = False,
     transposed: bool | None = None,
-) -> AttnPlan:
-    """The kernels and split count for one call (``target``, ``sink`` and ``max_logits`` as in :func:`attn_keys`;
-    ``transposed=False``: the plain consumers at any head count, for the bench's same-run comparison): the keys of
-    its launch plan, :func:`csrc_tl.sparse_attn.launch.plan_launch`."""
+) -> AttnLaunch:
+    """The launch plan of one call (:func:`csrc_tl.sparse_attn.launch.plan_launch`: its kernel keys and split count;
+    ``target``, ``sink`` and ``max_logits`` as in :func:`attn_keys`; ``transposed=False``: the plain consumers at any
+    head count, for the bench's same-run comparison)."""
     geo = _geometry(kv_kind, d_v, d_rope, heads, sm_scale, has_topk_length, q_fp8)
-    launch = plan_launch(geo, tokens, topk, sm_count, _sm90(target), transposed)
-    return AttnPlan.of(geo, launch, sink, max_logits)
+    return plan_launch(geo, tokens, topk, sm_count, _sm90(target), transposed, sink, max_logits)
 
 
 def warmup_keys(
