@@ -158,14 +158,15 @@ def _cases() -> dict[str, dict]:
 
 def _named_by_path(case: dict) -> bool:
     """Whether ``case``'s path names the kernels of its keys: the families of the K-cache and attention kernels, the
-    indexer kernel's own name, the top-k kernels by how many CTAs take a row."""
-    from csrc_tl import index, k_cache, topk
+    indexer's and the k-pool store's kernels by their own names, the top-k kernels by how many CTAs take a row."""
+    from csrc_tl import index, k_cache, kpool, topk
     from csrc_tl.sparse_attn.keys import AttnKey, CombineKey
 
     keys, path = case["keys"], case["path"]
     if all(isinstance(k, (AttnKey, CombineKey, k_cache.CacheKey)) for k in keys):
         return path.startswith(keys[0].family) and all(k.family in path for k in keys)
-    if all(isinstance(k, (index.QuantIndexKey, index.IndexLogitsKey, index.PagedLogitsKey)) for k in keys):
+    named = (index.QuantIndexKey, index.IndexLogitsKey, index.PagedLogitsKey, kpool.KpoolStoreKey)
+    if all(isinstance(k, named) for k in keys):
         return len(keys) == 1 and path == keys[0].name
     if len(keys) == 1 and isinstance(keys[0], topk.TopkKey):
         return path == "a CTA a row"
@@ -232,7 +233,7 @@ def test_gpu_check_compiles_the_kernels_its_cases_run(h200, monkeypatch):
     cli._warm_up_check(cases, device)
     # each kernel adds seconds of lowering to the first check on a fresh machine
     assert sorted(map(str, compiled)) == sorted(str(key) for case in cases for key in case.keys(device))
-    assert len(set(compiled)) == 29  # (index_topk and the k-pool ops reuse the indexer and top-k kernels)
+    assert len(set(compiled)) == 30  # (index_topk and the pool selection reuse the indexer and top-k kernels)
     # the attention kernels (the longest nvcc compiles) are handed to the compile threads first
     attn = [k.__class__.__name__ == "AttnKey" for k in compiled]
     assert attn == sorted(attn, reverse=True)
