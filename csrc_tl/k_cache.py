@@ -164,9 +164,9 @@ def build_quant(layout: KCacheLayout, *, round_scale: bool, scatter: bool, slot_
 
     A group of 32 lanes writes whole rows, :data:`ROWS_PER_GROUP` of them, whose k rows (and slot ids) it loads
     before it quantizes any: :func:`quant_vector` values a lane (so 16 or 32 lanes a tile), one tile's amax by a
-    butterfly among its lanes. Grid: ``ceil(N / (4 * ROWS_PER_GROUP))``. Measured (H200):
-    ``store_k_cache`` of 1M GLM rows 298.5 against 378.5 us with a group per tile of 4
-    values a lane; DeepSeek rows 595.1 against 747.1 us.
+    butterfly among its lanes: whole rows a group keep its stores contiguous and the loads of several rows in
+    flight (a group per tile was slower: BENCHMARKS.md, design decisions). Grid: ``ceil(N / (4 *
+    ROWS_PER_GROUP))``.
     """
     d_nope, d_rope, row_bytes = layout.d_nope, layout.d_rope, layout.row_bytes
     n_tiles = layout.num_scales
@@ -283,8 +283,7 @@ def build_dequant(layout: KCacheLayout, *, gather: bool, slot_dtype: str = "int3
 
     As :func:`build_quant`: a group of 32 lanes reads whole rows, :func:`quant_vector` values a lane, and loads the
     values, scales and tails of :data:`ROWS_PER_GROUP` rows before it widens any; an invalid id loads nothing.
-    Grid: ``ceil(M / (4 * ROWS_PER_GROUP))``. Measured (H200): 1M
-    GLM rows 199 against 230 us with a group per tile of 4 values a lane, gathered 224 against 281.
+    Grid: ``ceil(M / (4 * ROWS_PER_GROUP))`` (a group per tile was slower: BENCHMARKS.md, design decisions).
     """
     d_nope, d_rope, d_qk, row_bytes = layout.d_nope, layout.d_rope, layout.d_qk, layout.row_bytes
     n_tiles = layout.num_scales

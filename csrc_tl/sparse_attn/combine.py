@@ -6,8 +6,7 @@ COMBINE_THREADS = 128
 COMBINE_VEC = 8  # bf16 partial columns a combine thread loads at once (16 bytes)
 # Splits whose partials a combine thread loads before it uses any (per chunk of splits): the loads of a
 # chunk are in flight together, so a decode of up to this many splits reads its partials in one memory
-# round trip. The first combine looped over the splits one load after another (H200: ~2-3.5 us of a
-# GLM decode after the split kernel; BENCHMARKS.md).
+# round trip rather than one per split.
 COMBINE_CHUNK = 16
 
 
@@ -45,9 +44,8 @@ def build_combine(d_v: int, heads: int, part_heads: int, pdl: bool = False, sink
             if pdl:
                 T.pdl_sync()
                 # the kernel after this one may launch now (the next decode's split kernel, which waits
-                # for this one's completion and memory before it reads anything). Measured (H200,
-                # BENCHMARKS.md, with the split kernel's trigger after its stores):
-                # GLM packed decode T 17 14.5-14.7 against 14.8-15.2 us, T 1 8.0-8.2 against 8.3-8.5
+                # for this one's completion and memory before it reads anything): its launch overlaps this
+                # kernel's loads
                 T.pdl_trigger()
             tx = T.get_thread_binding()
             h = hx * per_block + tx // row_threads

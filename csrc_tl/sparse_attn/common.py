@@ -106,9 +106,8 @@ def store_rows(out, lse, acc_o, stage, row_lse, t, split_id, h0, col0, heads, gr
     ``col0 + d`` of ``out`` and, unless ``lse`` is None, ``row_lse [hb]`` to ``lse``; a split kernel
     (``split_id`` not None) writes all ``hb`` rows into split ``split_id`` of its partial output, which
     has whole head blocks (:func:`partial_heads`). The rows are rounded to bf16 in the free shared tile
-    ``stage`` first, for coalesced 16-byte stores: the split kernels' partials too (stored from the
-    fragment in float32, 8 bytes per thread and row, they and the combine's reads of them took ~1.5 us
-    of a GLM decode at T 17 on an H200: BENCHMARKS.md).
+    ``stage`` first, for coalesced 16-byte stores: the split kernels' partials too (bf16 partials halve what the
+    combine reads, and 16-byte stores take a quarter of the 8-byte ones' requests).
 
     ``group = (barrier id, threads)`` names the warpgroup of a warp-specialized split kernel that owns
     ``acc_o``: its partial goes through ``stage`` out of sight of TileLang's barrier planner

@@ -34,21 +34,16 @@ __all__ = [
 # always takes 64-row blocks): a split is whole blocks of a token's top-k range, whose width is a multiple of it.
 TOPK_BLOCK = DEFAULT_TILES["decode"]["block_i"]
 
-# Split decode on sm_90 (H200 measurements, BENCHMARKS.md): the warp-specialized split kernel wants
-# two top-k blocks per split or more (one block leaves it nothing to overlap).
+# The warp-specialized split kernel wants two top-k blocks per split or more: with one its producer has nothing to
+# gather while the consumers compute.
 WS_SPLIT_BLOCKS = 2
 
 # The last, partial round of a persistent prefill (items not a multiple of its CTAs, one per SM) keeps a few SMs busy
 # for a whole item while the others idle: its tokens take the split path instead, where that splits their top-k
 # ranges in TAIL_MIN_SPLITS parts or more and they have TAIL_MIN_BLOCKS top-k blocks or more (a shorter item, or
 # one split in two, takes about as long as the split path's own cost: a second kernel, the combine, the partials).
-# Measured (H200, BENCHMARKS.md), GLM packed prefill: T 4096 at 64 heads
-# (last 4 tokens in 16 splits) 1435-1440 against 1464-1474 us, at 8 heads 1379-1382 against 1413-1414; T 8192 (last
-# 8) 2889-2946 against 2901-2975 in five rounds; top-k 1024 762-763 against 768-774; top-k 512 425-427 against
-# 426-427; T 4136 (last 44 in 3 splits) 1462-1489 against 1471-1476; T 4150 (last 58 in 2) 1476-1500 against
-# 1473-1489. The prefills of one CTA per item gained nothing measurable (the hardware starts their last CTAs as SMs
-# come free, not all at once): DeepSeek bf16 4167-4209 against 4190-4244 us, DeepSeek native FP8 5103-5114 against
-# 5095-5143.
+# Only the persistent prefill has such a round: the hardware starts the last CTAs of a prefill of one CTA per item
+# as SMs come free, not all at once (BENCHMARKS.md, design decisions).
 TAIL_MIN_BLOCKS = 16
 TAIL_MIN_SPLITS = 3
 
@@ -190,8 +185,7 @@ def plan_splits(tokens: int, heads: int, topk: int, sm_count: int, min_blocks: i
     GPU, else as many as keep the whole grid in one wave of one block per SM (a second wave of a few
     blocks doubles the time) while every split keeps at least ``min_blocks`` top-k blocks; then the
     fewest splits with as few blocks per split. GLM decode T 17 (33 blocks) takes 7 splits of 5 blocks
-    (the last one 3): the split kernels walk no padding block (H200: 18.1 against 18.8 us over packed
-    rows for 6 splits of 3 pairs; BENCHMARKS.md). (Head blocks are counted the same
+    (the last one 3): the split kernels walk no padding block. (Head blocks are counted the same
     for the portable kernels and for the warp-specialized ones, whose blocks are always 64 heads: both
     give one block per token up to 32 heads and 64-head blocks above.)"""
     blocks = tokens * math.ceil(heads / head_block(heads))

@@ -360,10 +360,8 @@ def _consume0_single(plan: WsPlan, items: SimpleNamespace, scores: SimpleNamespa
                 factor=c.sum_s if transposed else None,
             )
             if split:
-                # the combine may launch now (the first thread's trigger counts for the CTA).
-                # Measured (H200, BENCHMARKS.md, both with the combine's own
-                # trigger): GLM packed decode T 17 14.5-14.7 us against 14.7-14.9 with the trigger
-                # at this kernel's start
+                # the combine may launch now (the first thread's trigger counts for the CTA): after the
+                # stores, so that its blocks do not take SMs from this kernel's while they still run
                 T.pdl_trigger()
             if persist:
                 base[0] = base[0] + walk_i

@@ -339,9 +339,8 @@ def _raw_macros(plan: WsPlan, dims, lanes: SimpleNamespace) -> SimpleNamespace:
                         )
             if packed:
                 # the row's scales into registers (eight lanes of a row read the same 8 bytes: one
-                # request; copied to shared memory per lane they cost 8-way bank conflicts). In one
-                # 8-byte load, as the in-place producer loads them, GLM packed prefill took 1645 against
-                # 1583-1586 us (H200, BENCHMARKS.md)
+                # request; copied to shared memory per lane they cost 8-way bank conflicts), one scalar load
+                # each: in this staged producer one vector load of them (the in-place producer's) was slower
                 for i in range(n_tiles):
                     raw_sc[p, i] = T.if_then_else(ok[p] != 0, scales[row, scale_word + i], 0.0)
             if d_tail:
@@ -397,9 +396,8 @@ def _staged_macros(plan: WsPlan, lanes: SimpleNamespace, raw: SimpleNamespace) -
         (zeros stay zeros)."""
         tx = T.get_thread_binding() - 2 * 128
         lane = plane(tx)
-        # Measured (H200, BENCHMARKS.md): the rows of a packed pool widen faster through TileLang's
-        # per-chunk casts (GLM prefill 322 against 293 TFLOPS), native FP8 rows through `widen` (343
-        # against 299).
+        # The rows of a packed pool widen through TileLang's per-chunk casts, native FP8 rows through `widen`:
+        # each the faster of the two for its rows (the casts fold a packed row's scale into the conversion).
         if not packed:
             for p in T.unroll(passes):
                 j = p * rows_per_pass + prow(tx)
@@ -656,9 +654,8 @@ def _inplace_macros(plan: WsPlan, dims, lanes: SimpleNamespace) -> SimpleNamespa
                             cp_async(dst_t[j, col], words[row, (d_v + col) // 2], 8, ok)
                 if packed:
                     # the row's scales in one vector load (the row is valid: row 0 for invalid entries),
-                    # then zero for invalid entries (TileLang picks the widest load the row width aligns).
-                    # Measured (H200, BENCHMARKS.md): DeepSeek packed decode
-                    # T 256 427-429 us against 453-454 with four scalar loads at the same budgets
+                    # then zero for invalid entries (TileLang picks the widest load the row width aligns): one
+                    # request instead of four
                     for i in T.vectorized(n_tiles):
                         sc[p, i] = scales[row, scale_word + i]
                     for i in T.unroll(n_tiles):
