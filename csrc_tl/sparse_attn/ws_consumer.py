@@ -422,9 +422,8 @@ def _consume1_paired(plan: WsPlan, items: SimpleNamespace, scores: SimpleNamespa
             T.barrier_wait(c.p0_ready, phase)
             T.wgmma_gemm(c.p0_s, c.kv_r0, c.acc_o_r)
             # warpgroup 0's PV GEMM over these probabilities only after this one, whose
-            # end frees the stage (half) warpgroup 0 scores next (FlashMLA's order; H200,
-            # BENCHMARKS.md: DeepSeek 550-557 against 544-551 TFLOPS, GLM 518-522
-            # against 503-506)
+            # end frees the stage (half) warpgroup 0 scores next (FlashMLA's order): the stage
+            # is refilled one GEMM sooner
             T.barrier_arrive(c.p1_ready)
             if halves:
                 T.wait_wgmma(1)
