@@ -43,6 +43,7 @@ page-table entries and request ids outside their ranges.
 """
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import tilelang.language as T
 
@@ -176,377 +177,461 @@ def order_key(x):
     return T.Select(mag > T.uint32(INF_BITS), T.uint32(NAN_KEY), number)
 
 
-class _Parts:
-    """The macros of a top-k kernel, specialized on its key (threads, vec, cap, k, W', page size)."""
+@dataclass(frozen=True, eq=False)
+class _Sizes:
+    """The sizes a top-k kernel's macros are specialized on: those of its key and W' (``out_width``, dynamic)."""
 
-    def __init__(self, key, out_width):
-        self.key = key
-        self.out_width = out_width  # W', dynamic
-        self.threads = key.threads
-        self.vec = key.vec
-        self.tile = key.threads * key.vec
-        self.warps = key.threads // WARP
-        self.entries = key.vec * self.warps  # (sub-tile, warp) counts of one in-order tile
-        self.per_lane = self.entries // WARP
-        self._scans()
-        self._passes()
-        self._sources()
-        self._outputs()
+    k: int
+    cap: int
+    page: int  # the page table's page size, 0 without one
+    threads: int
+    vec: int  # elements each thread takes of a tile
+    out_width: object  # W', a TIR variable
 
-    def _scans(self):
-        """Prefix sums over a warp, a block and an in-order tile, and the selection of a digit."""
-        threads, vec, warps, entries, per_lane = self.threads, self.vec, self.warps, self.entries, self.per_lane
+    @classmethod
+    def of(cls, key, out_width) -> "_Sizes":
+        return cls(key.k, key.cap, key.page_size, key.threads, key.vec, out_width)
 
-        @T.macro
-        def warp_scan(acc, j, tmp):
-            """``acc[j]``: its inclusive prefix sum over the 32 lanes of the thread's shuffle group."""
-            lane = T.get_thread_binding() % WARP
-            for delta in SHUFFLE_DELTAS:
-                tmp[0] = T.shfl_up(acc[j], delta, WARP)
-                if lane >= delta:
-                    acc[j] = acc[j] + tmp[0]
+    @property
+    def tile(self) -> int:
+        """Elements of one tile: ``threads * vec``."""
+        return self.threads * self.vec
 
-        @T.macro
-        def block_scan(mine, excl, total, sums):
-            """``excl[0]``: the sum of ``mine[0]`` over the threads before this one; ``total[0]``: over all. Reads
-            ``sums`` (shared ``[warps]``) after the last barrier: callers pass a barrier before its next use."""
-            tx = T.get_thread_binding()
-            lane, warp = tx % WARP, tx // WARP
-            tmp = T.alloc_local((1,), T.int32)
-            excl[0] = mine[0]
-            warp_scan(excl, 0, tmp)
+    @property
+    def warps(self) -> int:
+        return self.threads // WARP
+
+    @property
+    def entries(self) -> int:
+        """(sub-tile, warp) counts of one in-order tile."""
+        return self.vec * self.warps
+
+    @property
+    def per_lane(self) -> int:
+        """Of those, the counts each lane of the tile scan takes."""
+        return self.entries // WARP
+
+
+@dataclass(frozen=True)
+class _Shared:
+    """The shared buffers of a CTA that selects a row (allocated by :func:`_output_macros`' ``rows_shared`` or
+    ``split_shared``): ``hist`` (a digit's histogram, ``[FIRST_BINS]``), the list ``lkey`` and ``lcol`` (keys and
+    columns, ``[cap]``), ``cnt`` (the tile counts of :func:`_scan_macros`' ``tile_ranks``), ``sums`` (the warp totals
+    of ``block_scan``), ``offs`` (the chunks' offsets in the split select stage's gather, ``[threads]``; else None)
+    and ``state`` (a digit selection's result and a ticket, ``[STATE_WORDS]``)."""
+
+    hist: object
+    lkey: object
+    lcol: object
+    cnt: object
+    sums: object
+    offs: object
+    state: object
+
+
+@dataclass(frozen=True)
+class _Row:
+    """The row a CTA selects: ``logits`` and the row ``row`` of it (also the row of ``out`` it writes), its
+    candidates' columns ``[lo, hi)`` and the column ``start`` of position 0, and the page-table arguments
+    ``paging`` of :func:`_source_macros`' ``slot_of``."""
+
+    logits: object
+    row: object
+    lo: object
+    hi: object
+    start: object
+    out: object
+    paging: tuple
+
+
+@dataclass(frozen=True)
+class _Source:
+    """The source of a pass over a row's candidates: the list ``shared.lkey[:count]``, ``shared.lcol`` where
+    ``use_list`` (a thread-invariant int32) is nonzero, else the logits columns ``[row.lo, row.hi)``."""
+
+    use_list: object
+    count: object
+    row: _Row
+    shared: _Shared
+
+
+def _parts(key, out_width) -> SimpleNamespace:
+    """The macros of a top-k kernel, specialized on its key and W' (``out_width``): the prefix sums and the digit
+    selection (:func:`_scan_macros`), the passes over the logits (:func:`_logit_macros`), the passes over a pass's
+    source (:func:`_source_macros`) and those that write a row's output (:func:`_output_macros`); and ``sizes``
+    (:class:`_Sizes`)."""
+    sizes = _Sizes.of(key, out_width)
+    scans = _scan_macros(sizes)
+    logit_passes = _logit_macros(sizes, scans)
+    sources = _source_macros(sizes, scans)
+    outputs = _output_macros(sizes, scans, logit_passes, sources)
+    return SimpleNamespace(sizes=sizes, **vars(scans), **vars(logit_passes), **vars(sources), **vars(outputs))
+
+
+def _scan_macros(sizes: _Sizes) -> SimpleNamespace:
+    """Prefix sums over a warp, a block and an in-order tile, and the selection of a digit: ``warp_scan``,
+    ``block_scan``, ``select_digit`` and ``tile_ranks``."""
+    threads, vec, warps, entries, per_lane = sizes.threads, sizes.vec, sizes.warps, sizes.entries, sizes.per_lane
+
+    @T.macro
+    def warp_scan(acc, j, tmp):
+        """``acc[j]``: its inclusive prefix sum over the 32 lanes of the thread's shuffle group."""
+        lane = T.get_thread_binding() % WARP
+        for delta in SHUFFLE_DELTAS:
+            tmp[0] = T.shfl_up(acc[j], delta, WARP)
+            if lane >= delta:
+                acc[j] = acc[j] + tmp[0]
+
+    @T.macro
+    def block_scan(mine, excl, total, sums):
+        """``excl[0]``: the sum of ``mine[0]`` over the threads before this one; ``total[0]``: over all. Reads
+        ``sums`` (shared ``[warps]``) after the last barrier: callers pass a barrier before its next use."""
+        tx = T.get_thread_binding()
+        lane, warp = tx % WARP, tx // WARP
+        tmp = T.alloc_local((1,), T.int32)
+        excl[0] = mine[0]
+        warp_scan(excl, 0, tmp)
+        if lane == WARP - 1:
+            sums[warp] = excl[0]
+        T.sync_threads()
+        if warp == 0:
+            total[0] = T.Select(lane < warps, sums[T.min(lane, warps - 1)], 0)
+            warp_scan(total, 0, tmp)
+            if lane < warps:
+                sums[lane] = total[0]
+        T.sync_threads()
+        excl[0] = excl[0] - mine[0] + T.Select(warp > 0, sums[T.max(warp - 1, 0)], 0)
+        total[0] = sums[warps - 1]
+
+    @T.macro
+    def select_digit(hist, bins, need, state, sums):
+        """Find the bin d of ``hist[bins]`` (shared) where the count from the top reaches ``need`` (a thread-
+        invariant int32, 1 <= need <= the total): ``state[DIGIT] = d``, ``state[ABOVE]`` = the count of the
+        bins above d, ``state[COUNT] = hist[d]``. Ends at a barrier."""
+        tx = T.get_thread_binding()
+        per = max(bins // threads, 1)  # bins a thread owns, consecutive
+        owners = bins // per
+        mine = T.alloc_local((1,), T.int32)
+        excl = T.alloc_local((1,), T.int32)
+        total = T.alloc_local((1,), T.int32)
+        acc = T.alloc_local((1,), T.int32)
+        mine[0] = 0
+        if tx < owners:
+            for i in T.unroll(per):
+                mine[0] = mine[0] + hist[tx * per + i]
+        block_scan(mine, excl, total, sums)
+        acc[0] = total[0] - excl[0] - mine[0]  # the count of the bins of the threads after this one
+        if tx < owners:
+            for i in T.unroll(per):
+                b = tx * per + (per - 1 - i)
+                if acc[0] < need and acc[0] + hist[b] >= need:  # exactly one bin of one thread
+                    state[DIGIT] = b
+                    state[ABOVE] = acc[0]
+                    state[COUNT] = hist[b]
+                acc[0] = acc[0] + hist[b]
+        T.sync_threads()
+
+    @T.macro
+    def tile_ranks(vals, ranks, cnt, parity, tile_total):
+        """In-order prefix sums of one tile: element j of thread tx is element ``j * threads + tx`` of the
+        tile; ``ranks[j]`` = the sum of ``vals`` over the tile's elements before it, ``tile_total[0]`` over all.
+        ``cnt`` (shared ``[2, entries + 1]``) alternates halves with ``parity`` so that a tile's writes never
+        meet the previous tile's reads: two barriers a tile suffice."""
+        tx = T.get_thread_binding()
+        lane, warp = tx % WARP, tx // WARP
+        acc = T.alloc_local((vec,), T.int32)
+        tmp = T.alloc_local((1,), T.int32)
+        part = T.alloc_local((per_lane,), T.int32)
+        run = T.alloc_local((1,), T.int32)
+        own = T.alloc_local((1,), T.int32)
+        for j in T.unroll(vec):
+            acc[j] = vals[j]
+            warp_scan(acc, j, tmp)
             if lane == WARP - 1:
-                sums[warp] = excl[0]
-            T.sync_threads()
-            if warp == 0:
-                total[0] = T.Select(lane < warps, sums[T.min(lane, warps - 1)], 0)
-                warp_scan(total, 0, tmp)
-                if lane < warps:
-                    sums[lane] = total[0]
-            T.sync_threads()
-            excl[0] = excl[0] - mine[0] + T.Select(warp > 0, sums[T.max(warp - 1, 0)], 0)
-            total[0] = sums[warps - 1]
+                cnt[parity, j * warps + warp] = acc[j]
+        T.sync_threads()
+        if warp == 0:  # exclusive scan of the (sub-tile, warp) totals, in the tile's order
+            run[0] = 0
+            for i in T.unroll(per_lane):
+                part[i] = run[0]
+                run[0] = run[0] + cnt[parity, lane * per_lane + i]
+            own[0] = run[0]
+            warp_scan(run, 0, tmp)
+            for i in T.unroll(per_lane):
+                cnt[parity, lane * per_lane + i] = part[i] + run[0] - own[0]
+            if lane == WARP - 1:
+                cnt[parity, entries] = run[0]
+        T.sync_threads()
+        for j in T.unroll(vec):
+            ranks[j] = cnt[parity, j * warps + warp] + acc[j] - vals[j]
+        tile_total[0] = cnt[parity, entries]
 
-        @T.macro
-        def select_digit(hist, bins, need, state, sums):
-            """Find the bin d of ``hist[bins]`` (shared) where the count from the top reaches ``need`` (a thread-
-            invariant int32, 1 <= need <= the total): ``state[DIGIT] = d``, ``state[ABOVE]`` = the count of the
-            bins above d, ``state[COUNT] = hist[d]``. Ends at a barrier."""
-            tx = T.get_thread_binding()
-            per = max(bins // threads, 1)  # bins a thread owns, consecutive
-            owners = bins // per
-            mine = T.alloc_local((1,), T.int32)
-            excl = T.alloc_local((1,), T.int32)
-            total = T.alloc_local((1,), T.int32)
-            acc = T.alloc_local((1,), T.int32)
-            mine[0] = 0
-            if tx < owners:
-                for i in T.unroll(per):
-                    mine[0] = mine[0] + hist[tx * per + i]
-            block_scan(mine, excl, total, sums)
-            acc[0] = total[0] - excl[0] - mine[0]  # the count of the bins of the threads after this one
-            if tx < owners:
-                for i in T.unroll(per):
-                    b = tx * per + (per - 1 - i)
-                    if acc[0] < need and acc[0] + hist[b] >= need:  # exactly one bin of one thread
-                        state[DIGIT] = b
-                        state[ABOVE] = acc[0]
-                        state[COUNT] = hist[b]
-                    acc[0] = acc[0] + hist[b]
-            T.sync_threads()
+    return SimpleNamespace(warp_scan=warp_scan, block_scan=block_scan, select_digit=select_digit, tile_ranks=tile_ranks)
 
-        @T.macro
-        def tile_ranks(vals, ranks, cnt, parity, tile_total):
-            """In-order prefix sums of one tile: element j of thread tx is element ``j * threads + tx`` of the
-            tile; ``ranks[j]`` = the sum of ``vals`` over the tile's elements before it, ``tile_total[0]`` over all.
-            ``cnt`` (shared ``[2, entries + 1]``) alternates halves with ``parity`` so that a tile's writes never
-            meet the previous tile's reads: two barriers a tile suffice."""
-            tx = T.get_thread_binding()
-            lane, warp = tx % WARP, tx // WARP
-            acc = T.alloc_local((vec,), T.int32)
-            tmp = T.alloc_local((1,), T.int32)
-            part = T.alloc_local((per_lane,), T.int32)
-            run = T.alloc_local((1,), T.int32)
-            own = T.alloc_local((1,), T.int32)
+
+def _logit_macros(sizes: _Sizes, scans: SimpleNamespace) -> SimpleNamespace:
+    """The passes over a row's logits that count the top digit and gather the list, and their helpers: ``zero``,
+    ``load_tile``, ``hist_first`` and ``collect``."""
+    threads, vec, tile, tile_ranks = sizes.threads, sizes.vec, sizes.tile, scans.tile_ranks
+
+    @T.macro
+    def zero(buf, count):
+        """``buf[:count] = 0`` (shared; no barrier)."""
+        tx = T.get_thread_binding()
+        for i in T.unroll(T.ceildiv(count, threads)):
+            if count % threads == 0 or i * threads + tx < count:
+                buf[i * threads + tx] = 0
+
+    @T.macro
+    def load_tile(logits, row, lo, hi, raw):
+        """The tile from column ``lo``: ``raw[j] = logits[row, lo + j * threads + tx]``, clamped to column ``hi - 1``
+        (hi > 0) so that every load is in bounds and none waits behind a branch."""
+        tx = T.get_thread_binding()
+        for j in T.unroll(vec):
+            raw[j] = logits[row, T.min(lo + j * threads + tx, hi - 1)]
+
+    @T.macro
+    def hist_first(logits, row, lo, hi, hist):
+        """Histogram the top digit of the keys of the logits columns ``[lo, hi)`` of ``row`` into ``hist``
+        (shared, zeroed), loading the next tile before it counts this one. No barrier."""
+        tx = T.get_thread_binding()
+        raw = T.alloc_local((vec,), T.float32)
+        nxt = T.alloc_local((vec,), T.float32)
+        kv = T.alloc_local((vec,), T.uint32)
+        load_tile(logits, row, lo, hi, nxt)
+        for it in T.serial(T.ceildiv(hi - lo, tile)):
             for j in T.unroll(vec):
-                acc[j] = vals[j]
-                warp_scan(acc, j, tmp)
-                if lane == WARP - 1:
-                    cnt[parity, j * warps + warp] = acc[j]
-            T.sync_threads()
-            if warp == 0:  # exclusive scan of the (sub-tile, warp) totals, in the tile's order
-                run[0] = 0
-                for i in T.unroll(per_lane):
-                    part[i] = run[0]
-                    run[0] = run[0] + cnt[parity, lane * per_lane + i]
-                own[0] = run[0]
-                warp_scan(run, 0, tmp)
-                for i in T.unroll(per_lane):
-                    cnt[parity, lane * per_lane + i] = part[i] + run[0] - own[0]
-                if lane == WARP - 1:
-                    cnt[parity, entries] = run[0]
-            T.sync_threads()
+                raw[j] = nxt[j]
+            load_tile(logits, row, lo + (it + 1) * tile, hi, nxt)
             for j in T.unroll(vec):
-                ranks[j] = cnt[parity, j * warps + warp] + acc[j] - vals[j]
-            tile_total[0] = cnt[parity, entries]
-
-        self.warp_scan, self.block_scan, self.select_digit, self.tile_ranks = (
-            warp_scan,
-            block_scan,
-            select_digit,
-            tile_ranks,
-        )
-
-    def _passes(self):
-        """The passes over a row (or its list) that count digits and gather the list."""
-        threads, vec, tile, tile_ranks = self.threads, self.vec, self.tile, self.tile_ranks
-
-        @T.macro
-        def zero(buf, count):
-            """``buf[:count] = 0`` (shared; no barrier)."""
-            tx = T.get_thread_binding()
-            for i in T.unroll(T.ceildiv(count, threads)):
-                if count % threads == 0 or i * threads + tx < count:
-                    buf[i * threads + tx] = 0
-
-        @T.macro
-        def load_tile(logits, row, first, hi, raw):
-            """``raw[j] = logits[row, first + j * threads + tx]``, clamped to column ``hi - 1`` (hi > 0) so that
-            every load is in bounds and none waits behind a branch."""
-            tx = T.get_thread_binding()
+                kv[j] = order_key(raw[j])
             for j in T.unroll(vec):
-                raw[j] = logits[row, T.min(first + j * threads + tx, hi - 1)]
+                if lo + it * tile + j * threads + tx < hi:
+                    T.atomic_add(hist[T.cast(kv[j] >> FIRST_SHIFT, T.int32)], 1)
 
-        @T.macro
-        def hist_first(logits, row, lo, hi, hist):
-            """Histogram the top digit of the keys of the logits columns ``[lo, hi)`` of ``row`` into ``hist``
-            (shared, zeroed), loading the next tile before it counts this one. No barrier."""
-            tx = T.get_thread_binding()
-            raw = T.alloc_local((vec,), T.float32)
-            nxt = T.alloc_local((vec,), T.float32)
-            kv = T.alloc_local((vec,), T.uint32)
-            load_tile(logits, row, lo, hi, nxt)
-            for it in T.serial(T.ceildiv(hi - lo, tile)):
-                for j in T.unroll(vec):
-                    raw[j] = nxt[j]
-                load_tile(logits, row, lo + (it + 1) * tile, hi, nxt)
-                for j in T.unroll(vec):
-                    kv[j] = order_key(raw[j])
-                for j in T.unroll(vec):
-                    if lo + it * tile + j * threads + tx < hi:
-                        T.atomic_add(hist[T.cast(kv[j] >> FIRST_SHIFT, T.int32)], 1)
-
-        @T.macro
-        def collect(logits, row, lo, hi, thr, dst_key, dst_col, dst_at, chunk, cnt, found):
-            """Write the keys and columns of the candidates of ``[lo, hi)`` with ``key >= thr`` in column order to
-            ``dst_key[i]`` and ``dst_col[i]`` (shared lists), or to ``dst_col[r, c, 0, i]`` (the key's bits) and
-            ``dst_col[r, c, 1, i]`` when ``dst_at = (r, c)``, for i < chunk; ``found[0]`` = their count. Ends at a
-            barrier."""
-            tx = T.get_thread_binding()
-            raw = T.alloc_local((vec,), T.float32)
-            nxt = T.alloc_local((vec,), T.float32)
-            kv = T.alloc_local((vec,), T.uint32)
-            vals = T.alloc_local((vec,), T.int32)
-            ranks = T.alloc_local((vec,), T.int32)
-            tile_total = T.alloc_local((1,), T.int32)
-            found[0] = 0
-            load_tile(logits, row, lo, hi, nxt)
-            for it in T.serial(T.ceildiv(hi - lo, tile)):
-                for j in T.unroll(vec):
-                    raw[j] = nxt[j]
-                load_tile(logits, row, lo + (it + 1) * tile, hi, nxt)
-                for j in T.unroll(vec):
-                    kv[j] = order_key(raw[j])
-                    vals[j] = T.Select((lo + it * tile + j * threads + tx < hi) & (kv[j] >= thr), 1, 0)
-                tile_ranks(vals, ranks, cnt, it % 2, tile_total)
-                for j in T.unroll(vec):
-                    if vals[j] == 1 and found[0] + ranks[j] < chunk:
-                        if dst_at is None:
-                            dst_key[found[0] + ranks[j]] = kv[j]
-                            dst_col[found[0] + ranks[j]] = lo + it * tile + j * threads + tx
-                        else:
-                            dst_col[dst_at[0], dst_at[1], 0, found[0] + ranks[j]] = T.reinterpret(kv[j], T.int32)
-                            dst_col[dst_at[0], dst_at[1], 1, found[0] + ranks[j]] = lo + it * tile + j * threads + tx
-                found[0] = found[0] + tile_total[0]
-            T.sync_threads()
-
-        self.zero, self.load_tile, self.hist_first, self.collect = zero, load_tile, hist_first, collect
-
-    def _sources(self):
-        """The two passes that read a row's source, the list or the logits: a digit's histogram and the output."""
-        key, threads, vec, tile = self.key, self.threads, self.vec, self.tile
-        k, cap, page = key.k, key.cap, key.page_size
-        tile_ranks = self.tile_ranks
-
-        @T.macro
-        def source_tile(use_list, logits, row, lo, hi, lkey, lcol, count, it, kv, col, valid):
-            """Tile ``it`` of a pass's source: ``kv[j]``, ``col[j]`` and ``valid[j]`` (1 or 0) of its element j,
-            from the list ``lkey[:count]``, ``lcol`` where ``use_list`` (thread-invariant) is nonzero, else from the
-            logits columns ``[lo, hi)`` of ``row``."""
-            tx = T.get_thread_binding()
-            raw = T.alloc_local((1,), T.float32)
+    @T.macro
+    def collect(logits, row, lo, hi, thr, dst_key, dst_col, dst_at, chunk, cnt, found):
+        """Write the keys and columns of the candidates of ``[lo, hi)`` with ``key >= thr`` in column order to
+        ``dst_key[i]`` and ``dst_col[i]`` (shared lists), or to ``dst_col[r, c, 0, i]`` (the key's bits) and
+        ``dst_col[r, c, 1, i]`` when ``dst_at = (r, c)``, for i < chunk; ``found[0]`` = their count. Ends at a
+        barrier."""
+        tx = T.get_thread_binding()
+        raw = T.alloc_local((vec,), T.float32)
+        nxt = T.alloc_local((vec,), T.float32)
+        kv = T.alloc_local((vec,), T.uint32)
+        vals = T.alloc_local((vec,), T.int32)
+        ranks = T.alloc_local((vec,), T.int32)
+        tile_total = T.alloc_local((1,), T.int32)
+        found[0] = 0
+        load_tile(logits, row, lo, hi, nxt)
+        for it in T.serial(T.ceildiv(hi - lo, tile)):
             for j in T.unroll(vec):
-                if use_list != 0:
-                    kv[j] = lkey[T.min(it * tile + j * threads + tx, cap - 1)]
-                    col[j] = lcol[T.min(it * tile + j * threads + tx, cap - 1)]
-                    valid[j] = T.Select(it * tile + j * threads + tx < count, 1, 0)
-                else:
-                    col[j] = lo + it * tile + j * threads + tx
-                    raw[0] = logits[row, T.min(col[j], hi - 1)]
-                    kv[j] = order_key(raw[0])
-                    valid[j] = T.Select(col[j] < hi, 1, 0)
+                raw[j] = nxt[j]
+            load_tile(logits, row, lo + (it + 1) * tile, hi, nxt)
+            for j in T.unroll(vec):
+                kv[j] = order_key(raw[j])
+                vals[j] = T.Select((lo + it * tile + j * threads + tx < hi) & (kv[j] >= thr), 1, 0)
+            tile_ranks(vals, ranks, cnt, it % 2, tile_total)
+            for j in T.unroll(vec):
+                if vals[j] == 1 and found[0] + ranks[j] < chunk:
+                    if dst_at is None:
+                        dst_key[found[0] + ranks[j]] = kv[j]
+                        dst_col[found[0] + ranks[j]] = lo + it * tile + j * threads + tx
+                    else:
+                        dst_col[dst_at[0], dst_at[1], 0, found[0] + ranks[j]] = T.reinterpret(kv[j], T.int32)
+                        dst_col[dst_at[0], dst_at[1], 1, found[0] + ranks[j]] = lo + it * tile + j * threads + tx
+            found[0] = found[0] + tile_total[0]
+        T.sync_threads()
 
-        @T.macro
-        def hist_digit(use_list, logits, row, lo, hi, lkey, lcol, count, hist, flt_shift, prefix, dig_shift):
-            """Histogram digit ``(key >> dig_shift) & LOW_MASK`` of the keys with ``key >> flt_shift == prefix``
-            into ``hist`` (shared, zeroed), over the source of :func:`source_tile`. No barrier."""
-            kv = T.alloc_local((vec,), T.uint32)
-            col = T.alloc_local((vec,), T.int32)
-            valid = T.alloc_local((vec,), T.int32)
-            for it in T.serial(T.ceildiv(T.Select(use_list != 0, count, hi - lo), tile)):
-                source_tile(use_list, logits, row, lo, hi, lkey, lcol, count, it, kv, col, valid)
-                for j in T.unroll(vec):
-                    if valid[j] == 1 and (kv[j] >> flt_shift) == prefix:
-                        T.atomic_add(hist[T.cast((kv[j] >> dig_shift) & LOW_MASK, T.int32)], 1)
+    return SimpleNamespace(zero=zero, load_tile=load_tile, hist_first=hist_first, collect=collect)
 
-        def slot_of(pos, page_table, request, n_req, max_pages):
-            """The value written for position ``pos`` (>= 0): pos, or its page-table slot (-1 where invalid)."""
-            if not page:
-                return pos
-            page_idx = pos // page
-            ok = (request >= 0) & (request < n_req) & (page_idx < max_pages)
-            entry = T.if_then_else(
-                ok, page_table[T.max(T.min(request, n_req - 1), 0), T.min(page_idx, max_pages - 1)], -1
-            )
-            return T.Select(entry >= 0, T.cast(T.cast(entry, T.int64) * page + pos % page, T.int32), -1)
 
-        @T.macro
-        def compact(use_list, logits, row, lo, hi, lkey, lcol, count, tau, take, out, orow, start, paging, cnt):
-            """The output pass: in column order, write ``slot_of(column - start)`` of every candidate with key >
-            ``tau`` and of the first ``take`` with key == ``tau`` to ``out[orow, :k]``, over the source of
-            :func:`source_tile`. Ends at a barrier."""
-            kv = T.alloc_local((vec,), T.uint32)
-            col = T.alloc_local((vec,), T.int32)
-            vals = T.alloc_local((vec,), T.int32)
-            ranks = T.alloc_local((vec,), T.int32)
-            tile_total = T.alloc_local((1,), T.int32)
-            base = T.alloc_local((2,), T.int32)  # greater, equal: counts before this tile
-            greater = T.alloc_local((1,), T.int32)
-            equal = T.alloc_local((1,), T.int32)
-            base[0] = 0
-            base[1] = 0
-            for it in T.serial(T.ceildiv(T.Select(use_list != 0, count, hi - lo), tile)):
-                source_tile(use_list, logits, row, lo, hi, lkey, lcol, count, it, kv, col, vals)
-                for j in T.unroll(vec):
-                    vals[j] = T.Select(
-                        vals[j] == 1, T.Select(kv[j] > tau, 1, T.Select(kv[j] == tau, 1 << COUNT_BITS, 0)), 0
+def _source_macros(sizes: _Sizes, scans: SimpleNamespace) -> SimpleNamespace:
+    """The two passes that read a row's :class:`_Source`, the list or the logits, and their helpers: a digit's
+    histogram (``hist_digit``) and the output (``compact``), over ``source_tile``; ``slot_of``, the value written for
+    a position."""
+    threads, vec, tile, k, cap, page = sizes.threads, sizes.vec, sizes.tile, sizes.k, sizes.cap, sizes.page
+    tile_ranks = scans.tile_ranks
+
+    @T.macro
+    def source_tile(src, it, kv, col, valid):
+        """Tile ``it`` of ``src`` (a :class:`_Source`): ``kv[j]``, ``col[j]`` and ``valid[j]`` (1 or 0) of its
+        element j."""
+        tx = T.get_thread_binding()
+        raw = T.alloc_local((1,), T.float32)
+        for j in T.unroll(vec):
+            if src.use_list != 0:
+                kv[j] = src.shared.lkey[T.min(it * tile + j * threads + tx, cap - 1)]
+                col[j] = src.shared.lcol[T.min(it * tile + j * threads + tx, cap - 1)]
+                valid[j] = T.Select(it * tile + j * threads + tx < src.count, 1, 0)
+            else:
+                col[j] = src.row.lo + it * tile + j * threads + tx
+                raw[0] = src.row.logits[src.row.row, T.min(col[j], src.row.hi - 1)]
+                kv[j] = order_key(raw[0])
+                valid[j] = T.Select(col[j] < src.row.hi, 1, 0)
+
+    def source_tiles(src):
+        """The tiles of ``src``: of its list's ``count`` entries or of its row's candidates."""
+        return T.ceildiv(T.Select(src.use_list != 0, src.count, src.row.hi - src.row.lo), tile)
+
+    @T.macro
+    def hist_digit(src, flt_shift, prefix, dig_shift):
+        """Histogram digit ``(key >> dig_shift) & LOW_MASK`` of the keys with ``key >> flt_shift == prefix``
+        into ``src.shared.hist`` (zeroed), over the candidates of ``src``. No barrier."""
+        kv = T.alloc_local((vec,), T.uint32)
+        col = T.alloc_local((vec,), T.int32)
+        valid = T.alloc_local((vec,), T.int32)
+        for it in T.serial(source_tiles(src)):
+            source_tile(src, it, kv, col, valid)
+            for j in T.unroll(vec):
+                if valid[j] == 1 and (kv[j] >> flt_shift) == prefix:
+                    T.atomic_add(src.shared.hist[T.cast((kv[j] >> dig_shift) & LOW_MASK, T.int32)], 1)
+
+    def slot_of(pos, page_table, request, n_req, max_pages):
+        """The value written for position ``pos`` (>= 0): pos, or its page-table slot (-1 where invalid)."""
+        if not page:
+            return pos
+        page_idx = pos // page
+        ok = (request >= 0) & (request < n_req) & (page_idx < max_pages)
+        entry = T.if_then_else(ok, page_table[T.max(T.min(request, n_req - 1), 0), T.min(page_idx, max_pages - 1)], -1)
+        return T.Select(entry >= 0, T.cast(T.cast(entry, T.int64) * page + pos % page, T.int32), -1)
+
+    @T.macro
+    def compact(src, tau, take):
+        """The output pass: in column order, write ``slot_of(column - start)`` of every candidate of ``src`` with
+        key > ``tau`` and of the first ``take`` with key == ``tau`` to ``out[row, :k]`` of its row. Ends at a
+        barrier."""
+        kv = T.alloc_local((vec,), T.uint32)
+        col = T.alloc_local((vec,), T.int32)
+        vals = T.alloc_local((vec,), T.int32)
+        ranks = T.alloc_local((vec,), T.int32)
+        tile_total = T.alloc_local((1,), T.int32)
+        base = T.alloc_local((2,), T.int32)  # greater, equal: counts before this tile
+        greater = T.alloc_local((1,), T.int32)
+        equal = T.alloc_local((1,), T.int32)
+        base[0] = 0
+        base[1] = 0
+        for it in T.serial(source_tiles(src)):
+            source_tile(src, it, kv, col, vals)
+            for j in T.unroll(vec):
+                vals[j] = T.Select(
+                    vals[j] == 1, T.Select(kv[j] > tau, 1, T.Select(kv[j] == tau, 1 << COUNT_BITS, 0)), 0
+                )
+            tile_ranks(vals, ranks, src.shared.cnt, it % 2, tile_total)
+            for j in T.unroll(vec):
+                greater[0] = base[0] + (ranks[j] & COUNT_MASK)
+                equal[0] = base[1] + (ranks[j] >> COUNT_BITS)
+                if vals[j] == 1 or (vals[j] == 1 << COUNT_BITS and equal[0] < take):
+                    src.row.out[src.row.row, T.min(greater[0] + T.min(equal[0], take), k - 1)] = slot_of(
+                        col[j] - src.row.start, *src.row.paging
                     )
-                tile_ranks(vals, ranks, cnt, it % 2, tile_total)
-                for j in T.unroll(vec):
-                    greater[0] = base[0] + (ranks[j] & COUNT_MASK)
-                    equal[0] = base[1] + (ranks[j] >> COUNT_BITS)
-                    if vals[j] == 1 or (vals[j] == 1 << COUNT_BITS and equal[0] < take):
-                        out[orow, T.min(greater[0] + T.min(equal[0], take), k - 1)] = slot_of(col[j] - start, *paging)
-                base[0] = base[0] + (tile_total[0] & COUNT_MASK)
-                base[1] = base[1] + (tile_total[0] >> COUNT_BITS)
-            T.sync_threads()
+            base[0] = base[0] + (tile_total[0] & COUNT_MASK)
+            base[1] = base[1] + (tile_total[0] >> COUNT_BITS)
+        T.sync_threads()
 
-        self.source_tile, self.hist_digit, self.compact, self.slot_of = source_tile, hist_digit, compact, slot_of
+    return SimpleNamespace(source_tile=source_tile, hist_digit=hist_digit, compact=compact, slot_of=slot_of)
 
-    def _outputs(self):
-        """The selection of the last two digits and the passes that write a row's output."""
-        key, threads, vec, tile = self.key, self.threads, self.vec, self.tile
-        k, cap, out_width = key.k, key.cap, self.out_width
-        zero, load_tile, select_digit, slot_of = self.zero, self.load_tile, self.select_digit, self.slot_of
-        hist_digit, compact = self.hist_digit, self.compact
 
+def _output_macros(sizes: _Sizes, scans, logit_passes, sources) -> SimpleNamespace:
+    """What a selecting CTA allocates and the passes that write a row's output: ``rows_shared`` and ``split_shared``
+    (its :class:`_Shared` buffers in either scheme), ``finish`` (the last two digits and the output pass),
+    ``whole_row`` (a row that fits the list), ``copy_row`` (a row of at most K candidates) and ``pad``."""
+    threads, vec, tile, k, cap, out_width = sizes.threads, sizes.vec, sizes.tile, sizes.k, sizes.cap, sizes.out_width
+    zero, load_tile, select_digit = logit_passes.zero, logit_passes.load_tile, scans.select_digit
+    hist_digit, compact, slot_of = sources.hist_digit, sources.compact, sources.slot_of
+
+    def shared_macro(with_offs: bool):
         @T.macro
-        def finish(
-            use_list,
-            logits,
-            row,
-            lo,
-            hi,
-            lkey,
-            lcol,
-            count,
-            top,
-            above,
-            hist,
-            state,
-            sums,
-            cnt,
-            out,
-            orow,
-            start,
-            paging,
-        ):
-            """Given the top digit ``top`` of the K-th largest key and the count ``above`` of keys of a larger top
-            digit, find the last two digits over the source of :func:`source_tile` (the list where ``use_list`` is
-            nonzero) and write the row's selection to ``out[orow, :k]``. Starts after a barrier, ends at one."""
-            need = T.alloc_local((1,), T.int32)
-            prefix = T.alloc_local((1,), T.uint32)
-            tau = T.alloc_local((1,), T.uint32)
-            need[0] = k - above
-            prefix[0] = T.cast(top, T.uint32)
-            zero(hist, LOW_BINS)
-            T.sync_threads()
-            hist_digit(use_list, logits, row, lo, hi, lkey, lcol, count, hist, FIRST_SHIFT, prefix[0], MID_SHIFT)
-            T.sync_threads()
-            select_digit(hist, LOW_BINS, need[0], state, sums)
-            need[0] = need[0] - state[ABOVE]
-            prefix[0] = (prefix[0] << MID_BITS) | T.cast(state[DIGIT], T.uint32)
-            T.sync_threads()  # every thread has read state before the next selection writes it
-            zero(hist, LOW_BINS)
-            T.sync_threads()
-            hist_digit(use_list, logits, row, lo, hi, lkey, lcol, count, hist, MID_SHIFT, prefix[0], 0)
-            T.sync_threads()
-            select_digit(hist, LOW_BINS, need[0], state, sums)
-            tau[0] = (prefix[0] << LOW_BITS) | T.cast(state[DIGIT], T.uint32)
-            need[0] = need[0] - state[ABOVE]  # the keys equal to tau that are taken
-            compact(use_list, logits, row, lo, hi, lkey, lcol, count, tau[0], need[0], out, orow, start, paging, cnt)
+        def shared():
+            """The CTA's :class:`_Shared` buffers, ``offs`` only ``with_offs``."""
+            hist = T.alloc_shared((FIRST_BINS,), T.int32)
+            lkey = T.alloc_shared((cap,), T.uint32)
+            lcol = T.alloc_shared((cap,), T.int32)
+            cnt = T.alloc_shared((2, sizes.entries + 1), T.int32)
+            sums = T.alloc_shared((sizes.warps,), T.int32)
+            offs = T.alloc_shared((threads,), T.int32) if with_offs else None
+            state = T.alloc_shared((STATE_WORDS,), T.int32)
+            return _Shared(hist, lkey, lcol, cnt, sums, offs, state)
 
-        @T.macro
-        def whole_row(logits, row, lo, n, lkey, lcol, hist, state, sums):
-            """A row of ``n <= cap`` candidates from column ``lo``: its keys and columns into the list and the top
-            digit's histogram, then the selection of the top digit (state). Ends at a barrier."""
-            tx = T.get_thread_binding()
-            raw = T.alloc_local((vec,), T.float32)
-            kv = T.alloc_local((vec,), T.uint32)
-            zero(hist, FIRST_BINS)
-            T.sync_threads()
-            for it in T.serial(T.ceildiv(n, tile)):
-                load_tile(logits, row, lo + it * tile, lo + n, raw)
-                for j in T.unroll(vec):
-                    kv[j] = order_key(raw[j])
-                for j in T.unroll(vec):
-                    if it * tile + j * threads + tx < n:
-                        lkey[T.min(it * tile + j * threads + tx, cap - 1)] = kv[j]
-                        lcol[T.min(it * tile + j * threads + tx, cap - 1)] = lo + it * tile + j * threads + tx
-                        T.atomic_add(hist[T.cast(kv[j] >> FIRST_SHIFT, T.int32)], 1)
-            T.sync_threads()
-            select_digit(hist, FIRST_BINS, k, state, sums)
+        return shared
 
-        @T.macro
-        def copy_row(out, orow, lo, n, start, paging):
-            """A row of ``n <= k`` candidates from column ``lo``: all of them, then -1 (the whole output row)."""
-            tx = T.get_thread_binding()
-            for i in T.serial(T.ceildiv(out_width, threads)):
-                if i * threads + tx < out_width:
-                    out[orow, i * threads + tx] = T.if_then_else(
-                        i * threads + tx < n, slot_of(lo - start + i * threads + tx, *paging), -1
-                    )
+    @T.macro
+    def finish(use_list, count, top, above, row, shared):
+        """Given the top digit ``top`` of the K-th largest key and the count ``above`` of keys of a larger top
+        digit, find the last two digits over the :class:`_Source` ``(use_list, count, row, shared)`` (the list of
+        ``count`` entries where ``use_list`` is nonzero) and write the selection of ``row`` (a :class:`_Row`) to its
+        ``out[row, :k]``. Starts after a barrier, ends at one."""
+        src = _Source(use_list, count, row, shared)
+        need = T.alloc_local((1,), T.int32)
+        prefix = T.alloc_local((1,), T.uint32)
+        tau = T.alloc_local((1,), T.uint32)
+        need[0] = k - above
+        prefix[0] = T.cast(top, T.uint32)
+        zero(shared.hist, LOW_BINS)
+        T.sync_threads()
+        hist_digit(src, FIRST_SHIFT, prefix[0], MID_SHIFT)
+        T.sync_threads()
+        select_digit(shared.hist, LOW_BINS, need[0], shared.state, shared.sums)
+        need[0] = need[0] - shared.state[ABOVE]
+        prefix[0] = (prefix[0] << MID_BITS) | T.cast(shared.state[DIGIT], T.uint32)
+        T.sync_threads()  # every thread has read state before the next selection writes it
+        zero(shared.hist, LOW_BINS)
+        T.sync_threads()
+        hist_digit(src, MID_SHIFT, prefix[0], 0)
+        T.sync_threads()
+        select_digit(shared.hist, LOW_BINS, need[0], shared.state, shared.sums)
+        tau[0] = (prefix[0] << LOW_BITS) | T.cast(shared.state[DIGIT], T.uint32)
+        need[0] = need[0] - shared.state[ABOVE]  # the keys equal to tau that are taken
+        compact(src, tau[0], need[0])
 
-        @T.macro
-        def pad(out, orow):
-            """``out[orow, k:] = -1``."""
-            tx = T.get_thread_binding()
-            if out_width > k:
-                for i in T.serial(T.ceildiv(out_width - k, threads)):
-                    if k + i * threads + tx < out_width:
-                        out[orow, k + i * threads + tx] = -1
+    @T.macro
+    def whole_row(row, n, shared):
+        """A row of ``n <= cap`` candidates from column ``row.lo``: its keys and columns into the list and the top
+        digit's histogram, then the selection of the top digit (state). Ends at a barrier."""
+        tx = T.get_thread_binding()
+        raw = T.alloc_local((vec,), T.float32)
+        kv = T.alloc_local((vec,), T.uint32)
+        zero(shared.hist, FIRST_BINS)
+        T.sync_threads()
+        for it in T.serial(T.ceildiv(n, tile)):
+            load_tile(row.logits, row.row, row.lo + it * tile, row.lo + n, raw)
+            for j in T.unroll(vec):
+                kv[j] = order_key(raw[j])
+            for j in T.unroll(vec):
+                if it * tile + j * threads + tx < n:
+                    shared.lkey[T.min(it * tile + j * threads + tx, cap - 1)] = kv[j]
+                    shared.lcol[T.min(it * tile + j * threads + tx, cap - 1)] = row.lo + it * tile + j * threads + tx
+                    T.atomic_add(shared.hist[T.cast(kv[j] >> FIRST_SHIFT, T.int32)], 1)
+        T.sync_threads()
+        select_digit(shared.hist, FIRST_BINS, k, shared.state, shared.sums)
 
-        self.finish, self.whole_row, self.copy_row, self.pad = finish, whole_row, copy_row, pad
+    @T.macro
+    def copy_row(row, n):
+        """A row of ``n <= k`` candidates from column ``row.lo``: all of them, then -1 (the whole output row)."""
+        tx = T.get_thread_binding()
+        for i in T.serial(T.ceildiv(out_width, threads)):
+            if i * threads + tx < out_width:
+                row.out[row.row, i * threads + tx] = T.if_then_else(
+                    i * threads + tx < n, slot_of(row.lo - row.start + i * threads + tx, *row.paging), -1
+                )
+
+    @T.macro
+    def pad(out, orow):
+        """``out[orow, k:] = -1``."""
+        tx = T.get_thread_binding()
+        if out_width > k:
+            for i in T.serial(T.ceildiv(out_width - k, threads)):
+                if k + i * threads + tx < out_width:
+                    out[orow, k + i * threads + tx] = -1
+
+    return SimpleNamespace(
+        rows_shared=shared_macro(False),
+        split_shared=shared_macro(True),
+        finish=finish,
+        whole_row=whole_row,
+        copy_row=copy_row,
+        pad=pad,
+    )
 
 
 @T.macro
@@ -586,19 +671,19 @@ def build_topk_rows(key: TopkKey):
     (at most ``cap`` candidates) or twice (the list fits), else up to four times.
     """
     dims = _Dims()
-    parts = _Parts(key, dims.out_width)
-    rows, width, ld, n_req, max_pages = dims.rows, dims.width, dims.ld, dims.requests, dims.max_pages
+    return _rows_entry(_rows_stage(key, _parts(key, dims.out_width), dims), key, dims)
+
+
+def _rows_stage(key: TopkKey, parts: SimpleNamespace, dims: "_Dims"):
+    """The body of the one-CTA-per-row kernel: each CTA selects its row by the shortest path its candidates allow
+    (copied, read once into the list, read twice, or read again by the last passes)."""
+    rows, width, n_req, max_pages = dims.rows, dims.width, dims.requests, dims.max_pages
     k, cap, page = key.k, key.cap, key.page_size
 
     @T.macro
     def select_rows(logits, lengths, starts, page_table, row_request, out):
         with T.Kernel(rows, threads=key.threads) as bx:
-            hist = T.alloc_shared((FIRST_BINS,), T.int32)
-            lkey = T.alloc_shared((cap,), T.uint32)
-            lcol = T.alloc_shared((cap,), T.int32)
-            cnt = T.alloc_shared((2, parts.entries + 1), T.int32)
-            sums = T.alloc_shared((parts.warps,), T.int32)
-            state = T.alloc_shared((STATE_WORDS,), T.int32)
+            shared = parts.rows_shared()
             bounds = T.alloc_local((3,), T.int32)
             top = T.alloc_local((3,), T.int32)  # the top digit, the keys above it, the list's length
             found = T.alloc_local((1,), T.int32)
@@ -609,23 +694,24 @@ def build_topk_rows(key: TopkKey):
             start, lo, hi = bounds[0], bounds[1], bounds[2]
             req[0] = _request_of(bx, rows, row_request, n_req) if page else 0
             paging = (page_table, req[0], n_req, max_pages)
+            this_row = _Row(logits, row, lo, hi, start, out, paging)
             if hi - lo <= k:
-                parts.copy_row(out, row, lo, hi - lo, start, paging)
+                parts.copy_row(this_row, hi - lo)
             else:
                 if hi - lo <= cap:
-                    parts.whole_row(logits, row, lo, hi - lo, lkey, lcol, hist, state, sums)
-                    top[0] = state[DIGIT]
-                    top[1] = state[ABOVE]
+                    parts.whole_row(this_row, hi - lo, shared)
+                    top[0] = shared.state[DIGIT]
+                    top[1] = shared.state[ABOVE]
                     top[2] = hi - lo
                 else:
-                    parts.zero(hist, FIRST_BINS)
+                    parts.zero(shared.hist, FIRST_BINS)
                     T.sync_threads()
-                    parts.hist_first(logits, row, lo, hi, hist)
+                    parts.hist_first(logits, row, lo, hi, shared.hist)
                     T.sync_threads()
-                    parts.select_digit(hist, FIRST_BINS, k, state, sums)
-                    top[0] = state[DIGIT]
-                    top[1] = state[ABOVE]
-                    top[2] = state[ABOVE] + state[COUNT]
+                    parts.select_digit(shared.hist, FIRST_BINS, k, shared.state, shared.sums)
+                    top[0] = shared.state[DIGIT]
+                    top[1] = shared.state[ABOVE]
+                    top[2] = shared.state[ABOVE] + shared.state[COUNT]
                     if top[2] <= cap:
                         parts.collect(
                             logits,
@@ -633,37 +719,25 @@ def build_topk_rows(key: TopkKey):
                             lo,
                             hi,
                             T.cast(top[0], T.uint32) << FIRST_SHIFT,
-                            lkey,
-                            lcol,
+                            shared.lkey,
+                            shared.lcol,
                             None,
                             cap,
-                            cnt,
+                            shared.cnt,
                             found,
                         )
                 T.sync_threads()  # state is read
                 use_list[0] = T.Select(top[2] <= cap, 1, 0)
-                parts.finish(
-                    use_list[0],
-                    logits,
-                    row,
-                    lo,
-                    hi,
-                    lkey,
-                    lcol,
-                    top[2],
-                    top[0],
-                    top[1],
-                    hist,
-                    state,
-                    sums,
-                    cnt,
-                    out,
-                    row,
-                    start,
-                    paging,
-                )
+                parts.finish(use_list[0], top[2], top[0], top[1], this_row, shared)
                 parts.pad(out, row)
 
+    return select_rows
+
+
+def _rows_entry(select_rows, key: TopkKey, dims: "_Dims"):
+    """The prim_func of the one-CTA-per-row kernel with the arguments ``key`` asks for."""
+    rows, width, ld, n_req, max_pages = dims.rows, dims.width, dims.ld, dims.requests, dims.max_pages
+    page = key.page_size
     logits_t = T.StridedTensor((rows, width), (ld, 1), T.float32)
     vec_t, starts_t, request_t = _row_vectors(rows)
     table_t = T.Tensor((n_req, max_pages), T.int32)
@@ -749,7 +823,7 @@ def build_topk_split(key: TopkSplitKey):
     hist stage about 16 KiB, the select stage as :func:`build_topk_rows` plus ``4 * threads`` bytes.
     """
     dims = _Dims()
-    parts = _Parts(key, dims.out_width)
+    parts = _parts(key, dims.out_width)
     logits_t = T.StridedTensor((dims.rows, dims.width), (dims.ld, 1), T.float32)
     vec_t, starts_t, request_t = _row_vectors(dims.rows)
     counters_t = T.Tensor((dims.rows, COUNTERS), T.int32)
@@ -811,7 +885,7 @@ def _chunk_macro(dims):
     return chunk_bounds
 
 
-def _hist_stage(key: TopkSplitKey, parts: _Parts, dims: _Dims):
+def _hist_stage(key: TopkSplitKey, parts: SimpleNamespace, dims: _Dims):
     """The body of the split hist stage: each chunk's top-digit histogram into ``counters``; the row's last CTA
     selects the top digit into ``row_state`` and zeroes the row's counters."""
     k, cap, threads, chunks = key.k, key.cap, key.threads, dims.chunks
@@ -821,7 +895,7 @@ def _hist_stage(key: TopkSplitKey, parts: _Parts, dims: _Dims):
     def hist_stage(logits, lengths, starts, counters, row_state):
         with T.Kernel(chunks, dims.rows, threads=threads) as (bx, by):
             hist = T.alloc_shared((FIRST_BINS,), T.int32)
-            sums = T.alloc_shared((parts.warps,), T.int32)
+            sums = T.alloc_shared((parts.sizes.warps,), T.int32)
             state = T.alloc_shared((STATE_WORDS,), T.int32)
             bounds = T.alloc_local((5,), T.int32)
             tx = T.get_thread_binding()
@@ -854,7 +928,7 @@ def _hist_stage(key: TopkSplitKey, parts: _Parts, dims: _Dims):
     return hist_stage
 
 
-def _gather_macro(key: TopkSplitKey, parts: _Parts, dims: _Dims):
+def _gather_macro(key: TopkSplitKey, parts: SimpleNamespace, dims: _Dims):
     threads, chunks, chunk = key.threads, dims.chunks, dims.chunk
 
     @T.macro
@@ -892,7 +966,7 @@ def _gather_macro(key: TopkSplitKey, parts: _Parts, dims: _Dims):
     return gather
 
 
-def _select_stage(key: TopkSplitKey, parts: _Parts, dims: _Dims):
+def _select_stage(key: TopkSplitKey, parts: SimpleNamespace, dims: _Dims):
     """The body of the split select stage: each chunk's list entries into ``cand``; the row's last CTA gathers them
     and writes the row. Rows of at most ``cap`` candidates are done by chunk 0 alone."""
     k, cap, page, threads, chunks = key.k, key.cap, key.page_size, key.threads, dims.chunks
@@ -901,13 +975,7 @@ def _select_stage(key: TopkSplitKey, parts: _Parts, dims: _Dims):
     @T.macro
     def select_stage(logits, lengths, starts, page_table, row_request, counters, row_state, cand, cand_count, out):
         with T.Kernel(chunks, dims.rows, threads=threads) as (bx, by):
-            hist = T.alloc_shared((FIRST_BINS,), T.int32)
-            lkey = T.alloc_shared((cap,), T.uint32)
-            lcol = T.alloc_shared((cap,), T.int32)
-            cnt = T.alloc_shared((2, parts.entries + 1), T.int32)
-            sums = T.alloc_shared((parts.warps,), T.int32)
-            offs = T.alloc_shared((threads,), T.int32)
-            state = T.alloc_shared((STATE_WORDS,), T.int32)
+            shared = parts.split_shared()
             bounds = T.alloc_local((5,), T.int32)
             top = T.alloc_local((3,), T.int32)  # the top digit, the keys above it, the list's length
             found = T.alloc_local((1,), T.int32)
@@ -920,16 +988,17 @@ def _select_stage(key: TopkSplitKey, parts: _Parts, dims: _Dims):
             start, lo, hi = bounds[0], bounds[1], bounds[2]
             req[0] = _request_of(by, dims.rows, row_request, dims.requests) if page else 0
             paging = (page_table, req[0], dims.requests, dims.max_pages)
+            this_row = _Row(logits, row, lo, hi, start, out, paging)
             finishes[0] = 0
             use_list[0] = 1
             if hi - lo <= k:
                 if bx == 0:
-                    parts.copy_row(out, row, lo, hi - lo, start, paging)
+                    parts.copy_row(this_row, hi - lo)
             elif hi - lo <= cap:
                 if bx == 0:  # the row fits the list: chunk 0 selects it alone
-                    parts.whole_row(logits, row, lo, hi - lo, lkey, lcol, hist, state, sums)
-                    top[0] = state[DIGIT]
-                    top[1] = state[ABOVE]
+                    parts.whole_row(this_row, hi - lo, shared)
+                    top[0] = shared.state[DIGIT]
+                    top[1] = shared.state[ABOVE]
                     top[2] = hi - lo
                     finishes[0] = 1
             else:
@@ -949,42 +1018,23 @@ def _select_stage(key: TopkSplitKey, parts: _Parts, dims: _Dims):
                         cand,
                         (by, bx),
                         dims.chunk,
-                        cnt,
+                        shared.cnt,
                         found,
                     )
                 if tx == 0:
                     cand_count[by, bx] = found[0]
-                _ticket(counters, by, state)
-                if state[TICKET] == chunks - 1:  # the row's last CTA: every chunk's entries are written
+                _ticket(counters, by, shared.state)
+                if shared.state[TICKET] == chunks - 1:  # the row's last CTA: every chunk's entries are written
                     _fence()
                     if tx == 0:
                         counters[by, FIRST_BINS] = 0
                     use_list[0] = T.Select(top[2] <= cap, 1, 0)
                     if use_list[0] != 0:
-                        gather(cand, cand_count, by, top[2], lkey, lcol, offs, sums)
+                        gather(cand, cand_count, by, top[2], shared.lkey, shared.lcol, shared.offs, shared.sums)
                     finishes[0] = 1
             if finishes[0] != 0:
                 T.sync_threads()  # state is read
-                parts.finish(
-                    use_list[0],
-                    logits,
-                    row,
-                    lo,
-                    hi,
-                    lkey,
-                    lcol,
-                    top[2],
-                    top[0],
-                    top[1],
-                    hist,
-                    state,
-                    sums,
-                    cnt,
-                    out,
-                    row,
-                    start,
-                    paging,
-                )
+                parts.finish(use_list[0], top[2], top[0], top[1], this_row, shared)
                 parts.pad(out, row)
 
     return select_stage
