@@ -10,9 +10,12 @@ the same greedy tokens.
 
 from __future__ import annotations
 
+import importlib
+import json
 import math
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -307,3 +310,38 @@ def test_unsupported_models_and_settings_say_so():
     _, patched = model_pair("DeepseekV32", "bf16")
     with pytest.raises(ValueError, match="kv_cache must be one of"):
         integration.patch_model(patched, "fp16")
+
+
+def layer_example():
+    """``examples.transformers_layer`` from the repository root (pytest puts only ``tests/`` on the path)."""
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    return importlib.import_module("examples.transformers_layer")
+
+
+def test_the_layer_example_times_both_models_at_smoke_size(tmp_path, capsys):
+    # the script's CPU path end to end: a prefill row and a decode row, each with the patched and the original
+    # layer's time, and the same four measurements in its JSON
+    path = tmp_path / "layer.json"
+    layer_example().main(["--device", "cpu", "--tokens", "64", "--runs", "1", "--json", str(path)])
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line for line in lines if line.startswith(("prefill ", "decode "))}
+    assert set(rows) == {"prefill", "decode"}
+    for line in rows.values():
+        words = line.split()
+        assert words[1] == "64" and "does not fit" not in line
+        assert sum(unit in ("ms", "µs") for unit in words) == 2, line  # the patched and the original time
+    record = json.loads(path.read_text())
+    got = {(r["case"], r["model"]) for r in record["rows"] if r["fits"] and r["us"] > 0}
+    assert got == {(case, model) for case in ("prefill", "decode") for model in ("patched", "original")}
+
+
+@pytest.mark.parametrize(
+    "argv", [["--tokens", "0"], ["--kv-cache", "fp8"], ["--device", "tpu"], ["--device", "cpu", "--tokens", "8192"]]
+)
+def test_the_layer_example_refuses_bad_arguments_in_one_line(argv, capsys):
+    with pytest.raises(SystemExit) as stop:
+        layer_example().main(argv)
+    assert stop.value.code == 2
+    assert "error: " in capsys.readouterr().err.splitlines()[-1]
