@@ -8,7 +8,7 @@ splits) is the launch plan's, :mod:`csrc_tl.sparse_attn.launch`, which asks :fun
 Producer schemes: bf16 rows are copied by cp.async straight into a stage (``copies_async``; over 64-row blocks of
 paired consumers in stage halves, ``halves``); FP8 rows with room for raw stages are copied raw and widened
 shared-to-shared (``staged``, packed rows of the prefill by TMA bulk copies, ``bulk``); other FP8 rows are widened in
-their bf16 stage (``inplace``; over packed rows consumer warpgroup 1 widens the last pass of each block,
+their bf16 stage (``inplace``; over packed rows consumer warpgroup 1 widens the last pass (or passes) of each block,
 ``wg1_widens``). Consumer schemes: ``paired`` (the two consumer warpgroups score the blocks of a pair side by side)
 or single (warpgroup 0 scores every block).
 """
@@ -86,9 +86,8 @@ def ws_inplace_raw_col(group: int, lane):
 
     Why: with each lane's raw bytes in the second half of its own 32 widened bytes, every 16-byte copy
     took a shared-memory wavefront of its own (ncu, DeepSeek packed decode T 256: 32 wavefronts per
-    warp-wide cp.async where 4 carry its 512 bytes); contiguous, the copies take whole lines. Measured
-    (H200, BENCHMARKS.md): DeepSeek packed decode T 256 381-385 against
-    426-427 us, DeepSeek native FP8 prefill 5092-5148 against 5628-5634 us."""
+    warp-wide cp.async where 4 carry its 512 bytes); contiguous, the copies take whole lines (BENCHMARKS.md,
+    design decisions)."""
     line = 8 * WS_THREADS_PER_ROW  # bf16 columns of one 128-byte line
     return group * 2 * line + line + lane * 8
 
@@ -98,11 +97,8 @@ def ws_block(geo: AttnGeometry, split: bool) -> int:
     rows (two bf16 stages of 128 rows still fit beside q, and for FP8 rows two raw stages of
     :data:`WS_RAW_ROWS`; halves the score GEMMs' re-reads of q per row) and of narrow packed rows copied
     by the TMA unit (:func:`ws_bulk`), else 64. The split kernel keeps 64: its splits are whole blocks of
-    the top-k range.
-
-    Measured (H200, BENCHMARKS.md, two rounds): GLM native FP8 prefill
-    1288 against 1422-1424 us at 128-row blocks; GLM packed prefill with cp.async copies 1632-1633 against
-    1582-1585 (at 8 heads 1601-1602 against 1555-1556), so packed rows copied that way keep 64."""
+    the top-k range. Packed rows copied by ``cp.async`` keep 64, which measured faster for them (BENCHMARKS.md,
+    design decisions)."""
     if split or geo.d_qk > 256:
         return 64
     if geo.kv_kind == "packed":
@@ -123,9 +119,8 @@ WS_STORE_BARRIERS = ((14, 128), (15, 128))
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory one sm_90 block may use
 # Passes of a block whose copies the in-place producer (produce_inplace in build_attn_ws) issues before it
 # widens the first: the issue of a block's copies takes about as long as their widening (clock64 stamps,
-# DeepSeek packed T 256: 2290 and 2730 cycles a block). Measured (H200, BENCHMARKS.md,
-# one call, two rounds): DeepSeek packed decode T 256 440 against 447 us with every pass issued first,
-# DeepSeek fp8 prefill 5517-5518 against 5572-5589 us; one pass ahead 448 / 5569.
+# DeepSeek packed T 256: 2290 and 2730 cycles a block), so two passes ahead keep the copies of the next passes in
+# flight while the first ones widen; one pass ahead, or every pass issued first, was slower.
 WS_INPLACE_AHEAD = 2
 # Bytes after each row of a raw FP8 stage (with `quarters` in build_attn_ws): the two rows a quarter
 # warp reads or writes at once then lie on different banks.
@@ -168,16 +163,8 @@ def ws_quarters(geo: AttnGeometry, split: bool, block_i: int = 64) -> bool:
     """Whether the producer of :func:`build_attn_ws` maps its threads to rows by quarter warps
     (:func:`ws_row_lane`): for every FP8 kernel but the prefill over staged packed rows copied by
     ``cp.async`` (:func:`ws_bulk`). bf16 rows are copied straight into the stage, 16 bytes per lane: no
-    conflict either way.
-
-    Measured (H200, BENCHMARKS.md): quarters are faster for native FP8 rows (GLM prefill
-    375 against 358 TFLOPS, DeepSeek 404 against 388; GLM decode T 17 16.6 against 17.0 us), for the split
-    kernel over packed rows (GLM T 1 9.8 against 10.1 us, T 17 17.6 against 18.0) and for the in-place
-    prefill over packed rows (two rounds: DeepSeek packed decode T 256
-    361-362 against 378-379 us, at 16 heads 177 against 184) and for the prefill over bulk-copied packed
-    rows (GLM 1610-1614 against 1645-1646 us at 64-row blocks); slower for
-    the prefill over staged packed rows copied by ``cp.async`` (GLM: 333 against 339
-    TFLOPS)."""
+    conflict either way. Quarters spread a warp's shared-memory stores over four rows' banks; for the staged
+    packed rows copied by ``cp.async`` they measured slower (BENCHMARKS.md, design decisions)."""
     if geo.kv_kind == "bf16":
         return False
     return split or geo.kv_kind != "packed" or not ws_staged(geo, block_i) or ws_bulk(geo, split, block_i)
@@ -188,13 +175,8 @@ def ws_bulk(geo: AttnGeometry, split: bool, block_i: int = 64) -> bool:
     bulk copy of the TMA unit (``dsa_bulk_row``: one lane per row issues it) instead of every lane's
     ``cp.async`` pieces (four of 8 bytes a lane and row: the rows are only 8-byte aligned): for the
     prefill over staged packed rows without a tail (GLM's 264-byte rows), whose values are whole 16-byte
-    pieces from a start that is 16-byte aligned or 8 bytes past it.
-
-    Measured (H200, BENCHMARKS.md, two rounds a call): GLM packed
-    prefill 1518-1525 against 1583-1585 us (at 8 heads 1487-1491 against 1555-1570) with quarters
-    (:func:`ws_quarters`) and 128-row blocks (:func:`ws_block`); at 64-row blocks 1610-1614 with quarters,
-    1643-1646 without. The split kernels keep ``cp.async``: with bulk copies GLM packed decode T 17 took
-    15.0-15.4 against 14.4-14.7 us, T 1 8.3-8.6 against 8.0-8.1."""
+    pieces from a start that is 16-byte aligned or 8 bytes past it: one lane's request instead of 32 a row. The
+    split kernels keep ``cp.async``, which measured faster there (BENCHMARKS.md, design decisions)."""
     return (
         not split
         and geo.kv_kind == "packed"
@@ -209,21 +191,15 @@ def ws_persistent(geo: AttnGeometry, split: bool) -> bool:
     """Whether :func:`build_attn_ws` builds ``geo``'s kernel persistent (``ctas`` CTAs): the prefill over staged packed
     rows copied by the TMA unit (:func:`ws_bulk`, GLM's 264-byte rows). Each CTA walks work items (token, head block)
     one after another, its producer gathering the next item's first blocks while the consumers finish an item,
-    instead of the SM idling through one CTA's end and the next one's start.
-
-    Measured (H200, BENCHMARKS.md): a CTA of the GLM packed prefill at H 64 took about 4.4 us
-    beyond its blocks' 16 x 2.72 us (times against top-k). Persistent (two rounds): 1467-1474 against
-    1545 us at H 64, 1409-1426 against 1495-1509 at H 8. The other FP8 prefills gained nothing so, and keep one CTA
-    per item: DeepSeek packed decode T 256 (in-place rows) 356-358 against 356-363 us, GLM native FP8 1285-1288
-    against 1292, DeepSeek native FP8 5121-5166 against 5107-5128."""
+    instead of the SM idling through one CTA's end and the next one's start (about 4 us a CTA in the GLM packed
+    prefill, more than a block's time). The other FP8 prefills gained nothing so and keep one CTA per item
+    (BENCHMARKS.md, design decisions)."""
     return not split and geo.kv_kind == "packed" and ws_bulk(geo, split, ws_block(geo, split))
 
 
-# Most heads at which the launch plan runs the transposed consumers: (prefill kernel, split kernel). Measured (H100,
-# BENCHMARKS.md, one call): faster than the plain consumers at 8, 16 and 32 heads in every case of the bench, e.g.
-# DeepSeek bf16 prefill T 4096 1417 / 1531 / 1861 against 1842 / 1903 / 1993 us, packed decode T 1 10.1 against
-# 12.6 us at 8 heads. (With TileLang's own reductions over the score rows, a barrier for each column a thread holds,
-# they were slower from 16 heads on: 2015 against 1855 us; the column statistics are now dsa_col_stats.)
+# Most heads at which the launch plan runs the transposed consumers: (prefill kernel, split kernel). They were faster
+# than the plain consumers at 8, 16 and 32 heads in every case of the bench (BENCHMARKS.md, tensor-parallel shards);
+# at 64 heads the plain consumers' M = 64 has no padding left to save.
 TRANSPOSED_PLAN_HEADS = (32, 32)
 
 
@@ -255,10 +231,8 @@ def ws_paired_fits(geo: AttnGeometry, block_i: int) -> bool:
 # TileLang pass configs of the build_attn_ws kernels: nvcc's fast math, so each exp2f / log2f is one
 # ex2 / lg2.approx.ftz instruction (TileLang compiles IEEE-accurate forms by default, with extra
 # instructions around each for subnormal results); divisions are approximate and subnormal float32
-# values flush to zero too (the GPU suite's comparisons with the reference hold). Measured (H200,
-# BENCHMARKS.md, one call): GLM bf16 prefill 511 against 495 TFLOPS, GLM packed
-# prefill 345 against 340, GLM fp8 prefill 383 against 375, GLM packed decode T 17 17.3 against
-# 17.6 us; DeepSeek bf16 prefill 560 both.
+# values flush to zero too (the GPU suite's comparisons with the reference hold). The softmax's exponentials are on
+# the consumers' serial path between GEMMs, so their instructions count (BENCHMARKS.md, design decisions).
 WS_PASS_CONFIGS = {"tl.enable_fast_math": True}
 
 
@@ -270,10 +244,10 @@ class WsPlan:
     ``staged`` (FP8 rows raw into raw stages, widened shared-to-shared), ``inplace`` (FP8 rows widened in their bf16
     stage), ``paired`` (each consumer warpgroup scores one block of a pair), ``p0_in_tail`` (warpgroup 0's shared
     probabilities in its stage's tail), ``halves`` (paired over 64-row blocks: FlashMLA's pipeline of stage halves),
-    ``wg1_widens`` (consumer warpgroup 1 widens the last pass of each in-place block), ``persist`` (a persistent
-    prefill of at most ``ctas`` CTAs), ``quarters`` (producer threads mapped to rows by quarter warps,
-    :func:`ws_row_lane`), ``bulk`` (staged packed rows by one TMA bulk copy each), ``calls_widen`` (the producer
-    widens through ``dsa_widen``), ``transposed`` (the few-heads consumers: scores transposed, see
+    ``wg1_widens`` (consumer warpgroup 1 widens the last passes of each in-place block, ``wg1_passes``),
+    ``persist`` (a persistent prefill of at most ``ctas`` CTAs), ``quarters`` (producer threads mapped to rows by
+    quarter warps, :func:`ws_row_lane`), ``bulk`` (staged packed rows by one TMA bulk copy each), ``calls_widen``
+    (the producer widens through ``dsa_widen``), ``transposed`` (the few-heads consumers: scores transposed, see
     :func:`ws_transposed`)."""
 
     geo: AttnGeometry
@@ -365,8 +339,8 @@ def ws_plan(
     # two producer warpgroups where staged FP8 rows are widened: the widening bounds the kernel
     n_prod = (2 if staged else 1) if producers is None else producers
     # the prefill of bf16 rows: the two consumer warpgroups score the blocks of a pair side by side;
-    # elsewhere warpgroup 0 scores each block as soon as it is ready (measured: BENCHMARKS.md; pairs
-    # were slower where the producer bounds the kernel, over FP8 rows)
+    # elsewhere warpgroup 0 scores each block as soon as it is ready (pairs wait for two blocks, which
+    # costs where the producer bounds the kernel, over FP8 rows)
     # (the transposed consumers take every block in the single scheme: each block's GEMMs are a few wgmma of N = hb)
     paired = geo.kv_kind == "bf16" and not split and not transposed and ws_paired_fits(geo, block_i)
     # where the tail is as wide as a block, warpgroup 0's shared probabilities take its stage's tail
@@ -375,13 +349,11 @@ def ws_plan(
     # Paired over 64-row blocks (rows wider than 256): FlashMLA's pipeline. Each stage has two halves with
     # barriers of their own (the left value half; the right one with the tail), refilled as soon as their
     # last reader is done, and warpgroup 0 issues the next pair's score GEMMs under its last PV GEMM.
-    # Measured (H200, BENCHMARKS.md): DeepSeek bf16 prefill 557 against 516 TFLOPS
-    # in one call (its earlier forms 527-556 against 513-521); over 128-row blocks (GLM) 472-476
-    # against 493 for the whole-stage scheme, which they keep.
+    # Over 128-row blocks (GLM) the whole-stage scheme measured faster and stays.
     halves = paired and block_i == 64
     # The running max moves only when a row's max grows by more than 2^8 in the exp2 domain, so most
     # blocks rescale nothing (probabilities stay below 2^8: exact in float32, the same relative
-    # precision in bf16); threads whose rows' max did not move skip the rescale (544 against 527).
+    # precision in bf16); threads whose rows' max did not move skip the rescale.
     lazy_gap = 8.0 / scale2 if halves else None
     rows_per_pass = 128 * n_prod // WS_THREADS_PER_ROW
     # rows of a producer block: the staged producer fills a stage from raw copies of WS_RAW_ROWS rows
@@ -390,10 +362,12 @@ def ws_plan(
     # The in-place kernels over packed rows: consumer warpgroup 1, which otherwise waits most of the time
     # for warpgroup 0's probabilities (ncu: 65% of its samples; the producer paces the kernel), gathers
     # and widens the last pass of each block, the next block's before it waits for the current one's
-    # probabilities. Measured (H200, BENCHMARKS.md, one call each): DeepSeek packed decode T 256 350-354
-    # against 363-364 us at 128 heads, 173.5 against 183 at 16; in the split
-    # kernel, DeepSeek packed decode T 1 at 16 heads 11.3 against 11.8-11.9 us in five rounds.
+    # probabilities (BENCHMARKS.md, design decisions).
     wg1_widens = inplace and packed and passes > 1 and (not split or d_tail > 0)
+    # At 8 heads the transposed consumers' GEMMs are the smallest (N = 8), and warpgroup 1 widens half the passes
+    # (a 6% faster DeepSeek packed prefill); at 16 and 32 heads half was no faster than one pass, nor at 128 heads
+    # in the plain consumers (BENCHMARKS.md, design decisions)
+    wg1_share = passes // 2 if transposed and hb <= 8 else 1
     inplace_scheme = "inplace_wg1" if wg1_widens else "inplace"
     scheme = ("paired" if paired else inplace_scheme if inplace else "single", n_prod)
     assert nreg is not None or scheme in WS_NREG, f"no register budgets for {scheme}; pass nreg"
@@ -456,8 +430,8 @@ def ws_plan(
         raw_w=d_v + (16 if bulk else RAW_PAD if quarters else 0),
         # each producer thread arrives once, or twice with cp.async; and warpgroup 1's threads where they widen
         ready_count=128 * n_prod * (2 if copies_async else 1) + (128 if wg1_widens else 0),
-        prod_passes=tuple(range(passes - 1)) if wg1_widens else None,
-        wg1_passes=(passes - 1,) if wg1_widens else None,
+        prod_passes=tuple(range(passes - wg1_share)) if wg1_widens else None,
+        wg1_passes=tuple(range(passes - wg1_share, passes)) if wg1_widens else None,
         n_tiles=d_v // QUANT_TILE,
         piece=16 if row_w % 16 == 0 else 8,
         # bf16 of a packed row (8 bytes where the rows or the tail offset are not 16-byte aligned, as in the

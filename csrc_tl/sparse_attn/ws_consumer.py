@@ -479,14 +479,14 @@ def _consume1_single(
 
     @T.macro
     def consume1_single(c):
-        """Consumer warpgroup 1 of the single scheme: its half of PV (and, with ``wg1_widens``, the last pass of
-        each block)."""
+        """Consumer warpgroup 1 of the single scheme: its half of PV (and, with ``wg1_widens``, its passes of each
+        block, ``wg1_passes``)."""
         base = T.alloc_local((1,), T.int32) if persist else None  # blocks of the earlier work items
         if persist:
             base[0] = 0
         if wg1_widens:
-            nxt1 = T.alloc_local((1,), T.int32)
-            sc1 = T.alloc_local((1, n_tiles), acc)
+            nxt1 = T.alloc_local((len(wg1_passes),), T.int32)
+            sc1 = T.alloc_local((len(wg1_passes), n_tiles), acc)
         for i in work_items(c.n_items):
             t_i, h0_i, first_i, stop_i, n_blk_i, pairs_i, walk_i = work(
                 c.bx, c.by, i, c.topk_length, c.t, c.h0, c.first, c.stop, c.n_blk, c.pairs, c.walk
