@@ -1,5 +1,6 @@
-"""TileLang kernel of the k-pool indexer (GLM-5.3-Flash): ``kpool_store_index_k`` compresses each complete pool of
-``kpool`` tokens into one index key and stores it into the paged index-K cache, in one launch.
+"""TileLang kernels of the k-pool indexer (GLM-5.3-Flash): ``kpool_store_index_k`` compresses each complete pool of
+``kpool`` tokens into one index key and stores it into the paged index-K cache, in one launch; ``kpool_expand`` turns
+the pools ``kpool_topk`` selected into the row's tokens (or their slots), in one launch after the selection.
 
 Letters: Np pools, ``kpool`` tokens a pool, D the head dim (a multiple of 64), P pages of ``page`` slots. Np and P
 are dynamic symbols: one compiled kernel serves every batch and cache.
@@ -20,6 +21,17 @@ a warp for GLM-5.3-Flash's pools, against some 2,900 cycles of an H100 scheduler
 pool is read once, every load of a lane is issued before any arithmetic, the pool stays in registers with 12 warps
 an SM (168 registers a thread; ptxas keeps 20 bytes in local memory at that budget), the quotients are products by
 ``1 / s`` corrected by one fused multiply-add rather than divisions, and the products are bfloat16 multiplies.
+
+The expansion (``reference.kpool_expand`` is the exact definition) reads the selection's ``pools [R, k]`` int32
+(ascending pool positions, then -1) and writes ``out [R, W']`` int32 whole: with n the row's selected pools, column e
+holds token ``pools[r, e // kpool] * kpool + e % kpool`` below ``n * kpool``; with the tail, the ``L % kpool`` tokens
+``L - L % kpool ..`` of the row's incomplete pool follow (L = max(lengths[r], 0)); then -1. With a page table each
+token p of request b (``row_request[r]``, or ``r // (R / B)``) becomes the slot ``page_table[b, p // page_size] *
+page_size + p % page_size``, computed in int64 and stored as int32; -1 where b lies outside ``[0, B)``, the page
+index at or past ``max_pages``, or the entry is negative. R, k, W', B and max_pages are dynamic symbols. It moves a
+few KB a row: what it costs is its launch and its chain of dependent loads (the pools, then a pool a column, then a
+page-table entry), so a CTA takes a slice of a row's columns (rows of GLM-5.3-Flash's 2112 entries are spread over 5
+CTAs) and finds n in one step, each thread testing its pools for the row's last valid one, instead of scanning.
 """
 
 from dataclasses import dataclass
@@ -28,7 +40,16 @@ import tilelang.language as T
 
 from .index import DIM_MULTIPLE, GROUP, SCALE_BYTES, SLOT_DTYPES, butterfly_max, fp8_value, row_amax, row_scale
 
-__all__ = ["KpoolStoreKey", "LanePlan", "GATE_DTYPES", "lane_plan", "build_kpool_store_index_k", "pass_configs"]
+__all__ = [
+    "KpoolStoreKey",
+    "KpoolExpandKey",
+    "LanePlan",
+    "GATE_DTYPES",
+    "lane_plan",
+    "build_kpool_store_index_k",
+    "build_kpool_expand",
+    "pass_configs",
+]
 
 GATE_DTYPES = {"bfloat16": "bf16", "float32": "fp32"}  # the dtypes of gate and ape, and their short names
 THREADS = 128
@@ -41,6 +62,12 @@ FEW_VALUES = 64
 MIN_BLOCKS = 3
 MAX_UNROLLED = 128
 FLT_MIN = 2.0**-126  # the smallest normal float32
+# The expansion: a CTA of EXPAND_THREADS takes EXPAND_COLUMNS of a row, EXPAND_PER_THREAD columns a thread, each
+# step's columns consecutive across the threads (every store coalesced, for any W': no vector stores that W' would
+# have to keep aligned).
+EXPAND_THREADS = 128
+EXPAND_PER_THREAD = 4
+EXPAND_COLUMNS = EXPAND_THREADS * EXPAND_PER_THREAD
 
 
 @dataclass(frozen=True)
@@ -65,6 +92,28 @@ class KpoolStoreKey:
         pow2 = "_pow2" if self.round_scale else ""
         slot = {"int32": "i32", "int64": "i64"}.get(self.slot_dtype, self.slot_dtype)
         return f"kpool_store_index_k_pool{self.kpool}_d{self.dim}_p{self.page}_g{gate}_a{ape}{pow2}_{slot}"
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True)
+class KpoolExpandKey:
+    """The k-pool expansion: pools of ``kpool`` tokens; ``tail`` appends the row's incomplete pool (nothing to append
+    where kpool is 1); ``page_size`` the tokens a page of the page table that maps tokens to slots, 0 for positions
+    out; ``has_row_request`` a ``row_request`` argument (needs a page table)."""
+
+    kpool: int
+    tail: bool = True
+    page_size: int = 0
+    has_row_request: bool = False
+
+    @property
+    def name(self) -> str:
+        tail = "_tail" if self.tail else ""
+        paged = f"_page{self.page_size}" if self.page_size else "_positions"
+        request = "_rowreq" if self.has_row_request else ""
+        return f"kpool_expand_pool{self.kpool}{tail}{paged}{request}"
 
     def __str__(self) -> str:
         return self.name
@@ -122,8 +171,10 @@ def lane_plan(kpool: int, dim: int) -> LanePlan:
 
 
 def pass_configs(key) -> dict:
-    """TileLang pass configs of the k-pool kernel: none (no fast math: the weights need the accurate ``expf`` and
-    correctly rounded quotients to round as the model's softmax does)."""
+    """TileLang pass configs of the k-pool kernels: no fast math (the store's weights need the accurate ``expf`` and
+    correctly rounded quotients to round as the model's softmax does); the expansion places its one barrier itself."""
+    if isinstance(key, KpoolExpandKey):
+        return {"tl.disable_thread_storage_sync": True}
     return {}
 
 
@@ -299,3 +350,110 @@ def build_kpool_store_index_k(key: KpoolStoreKey):
                     scales[pg, scale_word + off] = sc[0]
 
     return kpool_store_index_k
+
+
+def _request_of(r, rows, row_request, requests):
+    """The page-table row of row r: ``row_request[r]``, or ``r // (R / B)`` (B dividing R, which the contract checks;
+    guarded against B = 0, whose rows map to no slot)."""
+    if row_request is not None:
+        return row_request[r]
+    return r // T.max(rows // T.max(requests, 1), 1)
+
+
+def build_kpool_expand(key: KpoolExpandKey):
+    """Expand selected pools into tokens (or slots), called as ``fn(pools, lengths, [page_table,] [row_request,]
+    out)``, the bracketed ones present when the key says so (``page_size > 0``; ``has_row_request``):
+
+    - ``pools`` : ``[R, k]`` int32, contiguous: each row's selected pool positions ascending, then -1 (as the top-k
+      kernels write them; every position below ``2^31 / kpool``, as the pools of a row of int32 length are)
+    - ``lengths`` : ``[R]`` int32, the tokens row r sees (a negative length counts as 0)
+    - ``page_table`` : ``[B, max_pages]`` int32, any entries (B > 0 dividing R when there is no row_request)
+    - ``row_request`` : ``[R]`` int32, any values
+    - ``out`` : ``[R, W']`` int32 with ``W' >= k * kpool`` (plus ``kpool - 1`` with the tail): every element written,
+      nothing else
+
+    Threads: grid (R, ``ceil(W' / EXPAND_COLUMNS)``) CTAs of EXPAND_THREADS. A CTA first finds n, the row's selected
+    pools, as the one place where a valid pool is followed by -1 (or the row's end; n = 0 where pool 0 is -1): each
+    thread tests the pools ``tx, tx + EXPAND_THREADS, ..`` and the one that holds the row's last valid pool writes n to
+    shared memory, read by all after one barrier. Then CTA (r, y) writes the columns ``y * EXPAND_COLUMNS + i *
+    EXPAND_THREADS + tx`` (i < EXPAND_PER_THREAD) of row r: a thread's loads of their pools are independent, so they
+    are in flight together, and each step's stores are consecutive.
+    """
+    kpool, page = key.kpool, key.page_size
+    assert isinstance(kpool, int) and kpool >= 1, f"kpool must be a positive number of tokens a pool, got {kpool}"
+    assert isinstance(page, int) and page >= 0, f"page_size is 0 (positions) or a page size, got {page}"
+    assert not key.has_row_request or page, "row_request maps rows to page-table rows: needs a page table"
+    tail = key.tail and kpool > 1  # a pool of one token leaves no incomplete pool
+    rows, k, width = T.dynamic("rows"), T.dynamic("k"), T.dynamic("width")
+    requests, max_pages = T.dynamic("requests"), T.dynamic("max_pages")
+
+    @T.macro
+    def expand(pools, lengths, page_table, row_request, out):
+        with T.Kernel(rows, T.ceildiv(width, EXPAND_COLUMNS), threads=EXPAND_THREADS) as (r, by):
+            tx = T.get_thread_binding()
+            selected = T.alloc_shared((1,), T.int32)  # n
+            count = T.alloc_local((1,), T.int32)
+            seen = T.max(lengths[r], 0)
+            partial = T.truncmod(seen, kpool)  # tokens of the incomplete pool (seen >= 0: no floor to correct)
+            request = _request_of(r, rows, row_request, requests) if page else 0
+            for i in T.serial(T.ceildiv(k, EXPAND_THREADS)):
+                j = i * EXPAND_THREADS + tx
+                if j < k:
+                    valid = pools[r, j] >= 0
+                    follows = T.if_then_else(j + 1 < k, pools[r, T.min(j + 1, k - 1)] >= 0, False)
+                    if valid and not follows:
+                        selected[0] = j + 1
+                    if j == 0 and not valid:
+                        selected[0] = 0
+            T.sync_threads()
+            count[0] = selected[0]
+            for i in T.unroll(EXPAND_PER_THREAD):
+                e = by * EXPAND_COLUMNS + i * EXPAND_THREADS + tx
+                if e < width:
+                    token = T.alloc_var(T.int64)
+                    token = T.int64(-1)
+                    if e < k * kpool:
+                        pool = pools[r, e // kpool]
+                        if pool >= 0:
+                            token = T.cast(pool, T.int64) * kpool + e % kpool
+                    if tail:
+                        step = e - count[0] * kpool  # the column's place after the row's pools
+                        if step >= 0 and step < kpool - 1:
+                            token = T.if_then_else(step < partial, T.cast(seen - partial + step, T.int64), T.int64(-1))
+                    if page:
+                        slot = T.alloc_var(T.int64)
+                        slot = T.int64(-1)
+                        if token >= 0:
+                            page_index = T.truncdiv(token, page)
+                            if request >= 0 and request < requests and page_index < T.cast(max_pages, T.int64):
+                                entry = T.alloc_var(T.int32)
+                                entry = page_table[request, page_index]
+                                if entry >= 0:
+                                    slot = T.cast(entry, T.int64) * page + T.truncmod(token, page)
+                        token = slot
+                    out[r, e] = T.cast(token, T.int32)
+
+    pools_t = T.Tensor((rows, k), T.int32)
+    lengths_t = T.Tensor((rows,), T.int32)
+    request_t = T.Tensor((rows,), T.int32)  # (a type of its own: arguments of one type become one buffer)
+    table_t = T.Tensor((requests, max_pages), T.int32)
+    out_t = T.Tensor((rows, width), T.int32)
+    if not page:
+
+        @T.prim_func
+        def kpool_expand(pools: pools_t, lengths: lengths_t, out: out_t):
+            expand(pools, lengths, None, None, out)
+
+    elif not key.has_row_request:
+
+        @T.prim_func
+        def kpool_expand(pools: pools_t, lengths: lengths_t, page_table: table_t, out: out_t):
+            expand(pools, lengths, page_table, None, out)
+
+    else:
+
+        @T.prim_func
+        def kpool_expand(pools: pools_t, lengths: lengths_t, page_table: table_t, row_request: request_t, out: out_t):
+            expand(pools, lengths, page_table, row_request, out)
+
+    return kpool_expand

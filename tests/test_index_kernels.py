@@ -244,6 +244,15 @@ KPOOL_VARIANTS = [  # (gate, ape, round_scale, slot dtype) of the k-pool store's
     ("float32", "float32", True, "int64"),
     ("float32", "bfloat16", True, "int32"),
 ]
+KPOOL_EXPANSIONS = [  # (kpool, tail, page size, row_request) of the k-pool expansion's sweep keys
+    (16, True, 0, False),
+    (16, True, 64, False),
+    (16, True, 64, True),
+    (16, False, 24, False),
+    (5, True, 24, True),
+    (1, False, 0, False),
+    (1, False, 16, True),
+]
 SWEEP_KEYS = (
     [
         ix.QuantIndexKey(d, p, rs, s)
@@ -272,6 +281,9 @@ SWEEP_KEYS = (
         kp.KpoolStoreKey(pool, d, p, *variant)
         for pool, d, p in ((16, 128, 64), (16, 64, 16), (3, 192, 1), (1, 256, 2), (32, 128, 64))
         for variant in KPOOL_VARIANTS
+    ]
+    + [  # the k-pool expansion (csrc_tl/kpool.py): to positions, to slots, to slots of row requests
+        kp.KpoolExpandKey(pool, tail, page, request) for pool, tail, page, request in KPOOL_EXPANSIONS
     ]
 )
 

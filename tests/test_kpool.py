@@ -13,6 +13,7 @@ import functools
 import math
 import re
 import shutil
+import subprocess
 from dataclasses import dataclass
 
 import pytest
@@ -20,7 +21,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import sparse_dsa_ops as dsa
-from csrc_tl.kpool import KpoolStoreKey, build_kpool_store_index_k, lane_plan
+from csrc_tl.kpool import KpoolExpandKey, KpoolStoreKey, build_kpool_expand, build_kpool_store_index_k, lane_plan
 from sparse_dsa_ops import reference
 from tests.oracle import INT_MAX, INT_MIN
 from tests.test_index_kernels import enclosing_conditions
@@ -486,19 +487,6 @@ def test_compile_without_recompiles(gen):
     assert counter.frame_count == 1
 
 
-def test_gpu_composition_on_cpu_tensors(gen, monkeypatch):
-    # the GPU backend's expansion, run on CPU tensors with the pool selection of the reference: the same outputs
-    from sparse_dsa_ops._cuda import kpool as gpu
-
-    monkeypatch.setattr(
-        gpu, "select_pools", lambda logits, lengths, k, starts: reference.topk(logits, lengths, k, starts)
-    )
-    for case in sorted(CASES):
-        args = CASES[case](gen)
-        checked = dsa.ops.check_kpool_topk(**args)
-        assert torch.equal(gpu.kpool_topk(checked, **args), reference.kpool_topk(**args)), case
-
-
 # ------------------------------------------------------------------------------------------
 # The store's kernel (csrc_tl/kpool.py) on the CPU: its key, its thread mapping, the one launch the backend makes, and
 # what its lowered source shows.
@@ -617,6 +605,142 @@ def test_store_kernel_builds_for_sm90a(key):
 
 
 # ------------------------------------------------------------------------------------------
+# The expansion's kernel (csrc_tl/kpool.py) on the CPU: its key, the launches of kpool_topk's backend (the top-k
+# family's selection, then this one kernel), and what its lowered source shows.
+
+
+def expand_key_of(args: dict) -> KpoolExpandKey:
+    """The expansion kernel a ``kpool_topk`` call of keyword ``args`` runs."""
+    from sparse_dsa_ops._cuda import kpool as gpu
+
+    paged = args.get("page_table") is not None
+    page = args.get("page_size", 64) if paged else 0
+    return gpu.expand_key(args["kpool"], args.get("tail", True), page, args.get("row_request") is not None)
+
+
+def test_expand_key_names_spell_the_specialization():
+    from sparse_dsa_ops._cuda import kpool as gpu
+
+    assert str(KpoolExpandKey(16)) == "kpool_expand_pool16_tail_positions"
+    assert KpoolExpandKey(5, False, 24, True).name == "kpool_expand_pool5_page24_rowreq"
+    # a pool of one token leaves no incomplete pool: kpool 1 takes the kernel without the tail, tail or not
+    assert gpu.expand_key(1, True) == gpu.expand_key(1, False) == KpoolExpandKey(1, False)
+    assert gpu.expand_key(16, True, 64, True) == KpoolExpandKey(16, True, 64, True)
+
+
+@pytest.mark.parametrize(
+    "key, message",
+    [
+        (KpoolExpandKey(0), "kpool must be a positive"),
+        (KpoolExpandKey(16, page_size=-1), "page_size is 0"),
+        (KpoolExpandKey(16, has_row_request=True), "needs a page table"),
+    ],
+    ids=lambda x: x if isinstance(x, str) else x.name,
+)
+def test_expand_builder_refuses_bad_keys(key, message):
+    with pytest.raises(AssertionError, match=message):
+        build_kpool_expand(key)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gpu_topk_is_the_selection_then_one_expansion(gen, monkeypatch, case):
+    # the GPU backend on CPU tensors with its launches recorded: the top-k family's selection over each row's
+    # complete pools, then one expansion kernel that reads the selection's pools and the row lengths and writes the
+    # whole output it returns
+    from sparse_dsa_ops._cuda import kpool as gpu
+
+    selections, launches = [], []
+
+    def select(logits, pool_lengths, k, starts):
+        selections.append((pool_lengths, starts))
+        return reference.topk(logits, pool_lengths, k, starts)
+
+    monkeypatch.setattr(gpu, "select_pools", select)
+    monkeypatch.setattr(gpu, "kernel", lambda key: lambda *args: launches.append((key, args)))
+    args = CASES[case](gen)
+    got = gpu.kpool_topk(dsa.ops.check_kpool_topk(**args), **args)
+    rows, kpool, lengths = args["logits"].shape[0], args["kpool"], args["lengths"]
+
+    ((pool_lengths, starts),) = selections
+    # the floor of a negative length is a negative pool count: no candidates, as 0 gives (and no clamp to launch)
+    assert torch.equal(pool_lengths, torch.div(lengths, kpool, rounding_mode="floor"))
+    assert torch.equal(
+        reference.topk(args["logits"], pool_lengths, args["k"], starts),
+        reference.topk(args["logits"], pool_lengths.clamp_min(0), args["k"], starts),
+    )
+    assert starts is args.get("starts")
+
+    ((key, launched),) = launches
+    assert key == expand_key_of(args)
+    paging = [t for t in (args.get("page_table"), args.get("row_request")) if t is not None]
+    assert len(launched) == 3 + len(paging)
+    pools, row_lengths, *mapping, out = launched
+    assert pools.shape == (rows, args["k"]) and torch.equal(row_lengths, lengths)
+    assert all(torch.equal(a, b) for a, b in zip(mapping, paging))
+    width = args.get("out_width") or dsa.ops.kpool_width(args["k"], kpool, args.get("tail", True))
+    assert out is got and out.shape == (rows, width) and out.dtype == torch.int32 and out.is_contiguous()
+
+
+def test_gpu_topk_of_kpool_1_selects_over_the_lengths_themselves(gen, monkeypatch):
+    from sparse_dsa_ops._cuda import kpool as gpu
+
+    selected = []
+    monkeypatch.setattr(gpu, "select_pools", lambda logits, pool_lengths, k, starts: selected.append(pool_lengths))
+    monkeypatch.setattr(gpu, "kernel", lambda key: lambda *args: None)
+    args = dict(logits=torch.randn(3, 8, generator=gen), lengths=i32([-5, 3, 9]), k=2, kpool=1)
+    gpu.kpool_topk(dsa.ops.check_kpool_topk(**args), **args)
+    assert selected == [args["lengths"]] and selected[0] is args["lengths"]  # no division to launch
+
+
+def test_gpu_topk_of_no_rows_launches_nothing(monkeypatch):
+    from sparse_dsa_ops._cuda import kpool as gpu
+
+    launches = []
+    monkeypatch.setattr(gpu, "select_pools", lambda *args: launches.append("select"))
+    monkeypatch.setattr(gpu, "kernel", lambda key: lambda *args: launches.append(key))
+    args = dict(logits=torch.zeros(0, 8), lengths=i32([]), k=2, kpool=KPOOL, out_width=64)
+    got = gpu.kpool_topk(dsa.ops.check_kpool_topk(**args), **args)
+    assert got.shape == (0, 64) and not launches
+
+
+@pytest.mark.parametrize("target", ["cuda", "hip"], ids=["sm90a", "gfx950"])  # ("cuda" in an id marks a GPU test)
+@pytest.mark.parametrize("key", [KpoolExpandKey(KPOOL, True, 64, True), KpoolExpandKey(5)], ids=str)
+def test_expand_kernel_source(key, target):
+    src = lowered_body(key, target)
+    # the row's pool count found in one step: one barrier, no loop but the one over the pools and the unrolled one
+    # over a thread's columns
+    assert src.count("__syncthreads()") == 1
+    assert len(re.findall(r"\bfor \(", src)) == 2 and "for (int i = 0; i < ((k + 127) >> 7); ++i)" in src
+    # the one global write: a column of the row inside the output's width, as int32
+    writes = enclosing_conditions(src, r"\bout\[.*\] = ")
+    assert len(writes) == 1 and "< width)" in writes[0], writes
+    assert re.search(r"\bout\[.*\] = \(\(int\)token\);", src)
+    if not key.page_size:
+        assert "page_table" not in src
+        return
+    # the table read only for a request inside [0, B) and a page inside the row of the table; slots in int64
+    reads = enclosing_conditions(src, r"= page_table\[")
+    assert reads and all("request < requests" in c and "< ((int64_t)max_pages)" in c for c in reads), reads
+    assert "(((int64_t)entry) * (int64_t)64)" in src
+
+
+@pytest.mark.lowering
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
+@pytest.mark.parametrize("key", [KpoolExpandKey(KPOOL), KpoolExpandKey(KPOOL, True, 64, True)], ids=str)
+def test_expand_kernel_compiles_for_sm90a(key, tmp_path):
+    from tilelang.env import CUTLASS_INCLUDE_DIR, TILELANG_TEMPLATE_PATH
+
+    (tmp_path / "k.cu").write_text(dsa._cuda.lower_source(key, "cuda"))
+    cubin = tmp_path / "k.cubin"
+    command = [NVCC, "-cubin", "-arch=sm_90a", "-O3", "-std=c++20", f"-I{TILELANG_TEMPLATE_PATH}"]
+    command += [f"-I{CUTLASS_INCLUDE_DIR}", "-Xptxas", "-v", "-o", str(cubin), str(tmp_path / "k.cu")]
+    done = subprocess.run(command, capture_output=True, text=True)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0 and cubin.stat().st_size > 1000, log
+    assert " 0 bytes spill stores" in log and "used 1 barriers" in log, log
+
+
+# ------------------------------------------------------------------------------------------
 # GPU ops against the reference on CPU copies.
 
 
@@ -625,8 +749,12 @@ def warm():
     keys = dsa._cuda.kpool.warmup_keys(
         k=None, dim=DIM, page=16, round_scale=(False, True), slot_dtypes=("int32", "int64")
     )
-    for k in (2, 3, 4, 5, 128):
+    for k in (2, 3, 4, 5, 128, *EXPAND_KS):
         keys += dsa._cuda.kpool.warmup_keys(k, DIM, 16)
+    # the expansions the cases run (pools of 4, 5, 8 and 16 tokens, positions and slots, with and without the tail)
+    seeded = torch.Generator().manual_seed(0)
+    keys += [expand_key_of(CASES[case](seeded)) for case in CASES]
+    keys += [expand_key_of(expand_args(seeded, geo, EXPAND_KS[0])) for geo in EXPAND_GEOMETRIES]
     dsa._cuda.warmup(list(dict.fromkeys(keys)), workers=16, progress=False)
 
 
@@ -693,6 +821,126 @@ def test_cuda_graph_replay_on_new_data(warm):
     want_cache = fresh["cache"].clone()
     want = _decode_step(**{**fresh, "cache": want_cache})  # the same inputs, eagerly
     assert torch.equal(out, want) and torch.equal(inputs["cache"], want_cache)
+
+
+# ------------------------------------------------------------------------------------------
+# The expansion on the GPU, exact against the reference for every kind of key: hostile lengths (negative, 0, below
+# one pool, whole pools, huge), rows with fewer complete pools than k, page tables with negative and huge entries and
+# too few pages, requests outside the table, outputs wider than needed, outputs poisoned before the call.
+
+
+@dataclass(frozen=True)
+class ExpandGeometry:
+    kpool: int
+    tail: bool
+    mapping: str  # "positions", "slots" (request r // (R / B)) or "row-request"
+
+    @property
+    def page_size(self) -> int:
+        return {"positions": 0, "slots": 24, "row-request": 64}[self.mapping]  # (24: pools of 16 straddle pages)
+
+    def __str__(self) -> str:
+        return f"pool{self.kpool}-{'tail' if self.tail else 'no-tail'}-{self.mapping}"
+
+
+EXPAND_GEOMETRIES = [
+    ExpandGeometry(kpool, tail, mapping)
+    for kpool in (1, 4, KPOOL)
+    for tail in (True, False)
+    for mapping in ("positions", "slots", "row-request")
+]
+EXPAND_ROWS, EXPAND_COLUMNS = 48, 300
+EXPAND_KS = (3, 130)  # a CTA counts the pools of a row in one step, and in two (it has 128 threads)
+EXTRA_WIDTH = 37  # output columns past the widest row
+POISON = -7  # no entry the op writes (positions, slots, -1) is below -1
+
+
+def expand_args(gen, geo: ExpandGeometry, k: int) -> dict:
+    """Keyword arguments of ``kpool_topk``: logits with ties, hostile lengths, the page table and requests of
+    ``geo``, an output EXTRA_WIDTH wider than needed."""
+    kp = geo.kpool
+    logits = torch.randn(EXPAND_ROWS, EXPAND_COLUMNS, generator=gen)
+    logits[:, ::5] = logits[:, :1]  # ties: the lower position wins
+    lengths = torch.randint(0, (EXPAND_COLUMNS + 2) * kp, (EXPAND_ROWS,), generator=gen, dtype=torch.int32)
+    hostile = [INT_MIN, -kp - 1, -1, 0, 1, kp - 1, kp, kp + 1, 2 * kp - 1, k * kp, k * kp + kp - 1, INT_MAX]
+    lengths[: len(hostile)] = i32(hostile)
+    width = dsa.ops.kpool_width(k, kp, geo.tail) + EXTRA_WIDTH
+    args = dict(logits=logits, lengths=lengths, k=k, kpool=kp, out_width=width, tail=geo.tail)
+    if geo.page_size:
+        b_count = 4 if geo.mapping == "slots" else 3
+        pages = (EXPAND_COLUMNS + 1) * kp // geo.page_size * 2 // 3  # the last pages of a long row are missing
+        table = torch.randint(-3, 1 << 20, (b_count, pages), generator=gen, dtype=torch.int32)
+        table[0, :3] = INT_MAX  # slots past int32 wrap as the reference's int64 -> int32 conversion wraps them
+        args.update(page_table=table, page_size=geo.page_size)
+        if geo.mapping == "row-request":
+            request = torch.randint(-1, b_count + 1, (EXPAND_ROWS,), generator=gen, dtype=torch.int32)
+            request[:2] = i32([INT_MIN, INT_MAX])
+            args["row_request"] = request
+    return args
+
+
+def cuda_args(args: dict) -> dict:
+    return {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("k", EXPAND_KS)
+@pytest.mark.parametrize("geo", EXPAND_GEOMETRIES, ids=str)
+def test_cuda_kpool_topk_expansion_is_exact(warm, geo, k):
+    args = expand_args(torch.Generator().manual_seed(11), geo, k)
+    got = dsa.kpool_topk(**cuda_args(args))
+    assert torch.equal(got.cpu(), reference.kpool_topk(**args))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("geo", EXPAND_GEOMETRIES, ids=str)
+def test_cuda_expand_kernel_writes_its_rows_whole_and_nothing_else(warm, geo):
+    # the kernel alone, into the rows 1..R of a poisoned buffer: every entry of those rows written, exactly as the
+    # reference expands the same pools; the rows around them untouched
+    args = expand_args(torch.Generator().manual_seed(12), geo, EXPAND_KS[-1])
+    kp, width = geo.kpool, args["out_width"]
+    pool_lengths = torch.div(args["lengths"].clamp_min(0), kp, rounding_mode="floor")
+    pools = reference.topk(args["logits"], pool_lengths, args["k"])
+    buffer = torch.full((EXPAND_ROWS + 2, width), POISON, dtype=torch.int32, device="cuda")
+    paging = [args[name].cuda() for name in ("page_table", "row_request") if name in args]
+    dsa._cuda.kernel(expand_key_of(args))(pools.cuda(), args["lengths"].cuda(), *paging, buffer[1:-1])
+    want = reference.kpool_expand(
+        pools, args["lengths"], kp, width, geo.tail, args.get("page_table"), args.get("row_request"), geo.page_size
+    )
+    got = buffer.cpu()
+    assert torch.equal(got[1:-1], want)
+    assert (got[0] == POISON).all() and (got[-1] == POISON).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows", [1, 64])
+def test_cuda_kpool_topk_graph_replay(warm, rows):
+    # GLM-5.3-Flash's selection to slots (the top-k split over CTAs at 1 row, a CTA a row at 64) captured once and
+    # replayed over new logits, lengths, page table and requests
+    gen = torch.Generator().manual_seed(13)
+    pools, page = 8192, 64
+
+    def inputs():
+        logits = torch.randn(rows, pools, generator=gen)
+        lengths = torch.randint(-KPOOL, pools * KPOOL + KPOOL, (rows,), generator=gen, dtype=torch.int32)
+        table = torch.randint(-1, 1 << 20, (3, pools * KPOOL // page), generator=gen, dtype=torch.int32)
+        request = torch.randint(-1, 4, (rows,), generator=gen, dtype=torch.int32)
+        return [logits, lengths, table, request]
+
+    def select(logits, lengths, table, request):
+        return dsa.kpool_topk(logits, lengths, 128, KPOOL, None, table, request, page, 2112)
+
+    static = [t.cuda() for t in inputs()]
+    select(*static)  # (outside the capture: the kernels are built)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = select(*static)
+    for _ in range(2):
+        fresh = inputs()
+        for buffer, value in zip(static, fresh):
+            buffer.copy_(value)
+        graph.replay()
+        assert torch.equal(out.cpu(), select(*fresh))
 
 
 # ------------------------------------------------------------------------------------------

@@ -2,11 +2,13 @@
 
 ``kpool_store_index_k`` is one kernel of the family's own (``csrc_tl.kpool``, keys ``KpoolStoreKey``): it reads each
 pool's k and gate once, compresses the pool with the model's roundings and quantizes and stores the key exactly as
-``store_index_k`` does, so it never holds the compressed keys in memory. ``kpool_topk`` is a composition: it selects
-pools with the top-k family's kernels and expands them with ``reference.kpool_expand`` (a few elementwise launches and
-one scatter for the tails). Both are free of host syncs (capture-safe). ``warmup(kpool=..., topk_k=...)`` compiles
-the store for bfloat16 gate and ape and the selection's top-k kernels; a store with a float32 gate or ape compiles
-its own kernel on its first call (which inside a capture raises).
+``store_index_k`` does, so it never holds the compressed keys in memory. ``kpool_topk`` selects pools with the top-k
+family's kernels (over each row's complete pools, one elementwise division before them) and expands them with one
+kernel of the family's own (keys ``KpoolExpandKey``), which writes the output's every entry: the pools' tokens, the
+tail, -1, or their slots through the page table. Both are free of host syncs (capture-safe).
+``warmup(kpool=..., topk_k=...)`` compiles the store for bfloat16 gate and ape, the selection's top-k kernels and the
+expansion with the tail, to positions and to slots; a store with a float32 gate or ape, or an expansion of another
+page size or without the tail, compiles its own kernel on its first call (which inside a capture raises).
 """
 
 from __future__ import annotations
@@ -16,14 +18,14 @@ import torch
 from csrc_tl import kpool as builders
 
 from ..ops import TopkArgs, takes_checked
-from ..reference import kpool_expand
 from . import selection
 from .common import aligned, slot_dtype
 from .compile import kernel, register_builder, sm_count
 
-__all__ = ["bench_cases", "warmup_keys", "store_key", "kpool_store_index_k", "kpool_topk"]
+__all__ = ["bench_cases", "warmup_keys", "store_key", "expand_key", "kpool_store_index_k", "kpool_topk"]
 
 register_builder(builders.KpoolStoreKey, builders.build_kpool_store_index_k, builders.pass_configs)
+register_builder(builders.KpoolExpandKey, builders.build_kpool_expand, builders.pass_configs)
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}  # gate's and ape's dtypes as the keys name them
 # GLM-5.3-Flash's indexer: pools of 16 tokens, 128 of them selected, 128-wide keys in pages of 64 rows; bfloat16 gate
@@ -52,6 +54,12 @@ def select_pools(logits, pool_lengths, k, starts):
     return selection.topk(TopkArgs(k, k, False), logits, pool_lengths, k, starts)
 
 
+def expand_key(kpool: int, tail: bool, page_size: int = 0, has_row_request: bool = False) -> builders.KpoolExpandKey:
+    """The expansion kernel of pools of ``kpool`` tokens (``page_size`` 0: positions out). A pool of one token has no
+    incomplete pool, so kpool 1 shares the kernel without the tail."""
+    return builders.KpoolExpandKey(kpool, tail and kpool > 1, page_size, has_row_request)
+
+
 @takes_checked
 def kpool_topk(
     args,
@@ -66,17 +74,26 @@ def kpool_topk(
     out_width=None,
     tail=True,
 ):
-    pool_lengths = torch.div(lengths.clamp_min(0), kpool, rounding_mode="floor")  # [R] complete pools a row sees
+    out = torch.empty(logits.shape[0], args.width, dtype=torch.int32, device=logits.device)  # [R, W']
+    if not logits.shape[0]:
+        return out
+    # [R] complete pools a row sees; a negative length floors to a negative count, which the selection takes as no
+    # candidates, as it takes 0 (so no clamp: one launch less)
+    pool_lengths = lengths if kpool == 1 else torch.div(lengths, kpool, rounding_mode="floor")
     pools = select_pools(logits, pool_lengths, k, starts)  # [R, k]
-    return kpool_expand(pools, lengths, kpool, args.width, tail, page_table, row_request, page_size)
+    key = expand_key(kpool, tail, page_size if args.paged else 0, row_request is not None)
+    optional = [aligned(t) for t in (page_table, row_request) if t is not None]
+    kernel(key)(pools, aligned(lengths), *optional, out)
+    return out
 
 
 def warmup_keys(
     k=None, dim=DIM, page=PAGE, round_scale=(False,), slot_dtypes=("int32",), kpool=KPOOL, dtypes=MODEL_DTYPES
 ) -> list:
     """The kernels of the k-pool ops: the store of pools of ``kpool`` tokens of ``dim``-wide keys into pages of
-    ``page`` pool rows, for each pair of (gate, ape) ``dtypes``, and the top-k kernels of k pools (both schemes, with
-    and without ``starts``)."""
+    ``page`` pool rows, for each pair of (gate, ape) ``dtypes``; with ``k``, the top-k kernels of k pools (both
+    schemes, with and without ``starts``) and the expansion of pools of ``kpool`` with the tail, to positions and to
+    slots of a page table of ``page`` tokens (with and without ``row_request``)."""
     keys = [
         builders.KpoolStoreKey(kpool, dim, page, gate, ape, rs, sd)
         for gate, ape in dtypes
@@ -85,6 +102,7 @@ def warmup_keys(
     ]
     if k:
         keys += selection.warmup_keys(k, page, paged=(False,))
+        keys += [expand_key(kpool, True)] + [expand_key(kpool, True, page, request) for request in (False, True)]
     return keys
 
 
@@ -94,16 +112,18 @@ SOURCE_OPS = ("kpool_store_index_k", "kpool_topk")  # the ops ``python -m sparse
 def source_keys(op: str, spec) -> list:
     """The kernels ``op`` runs for ``spec`` (a ``KernelSpec``): the store of GLM-5.3-Flash's pools (KPOOL tokens,
     bfloat16 gate and ape: the spec names none of these) for ``index_dim``, ``page``, ``round_scale`` and
-    ``slot_dtype``; the pool selection's top-k kernels of k pools (both schemes)."""
+    ``slot_dtype``; the pool selection's top-k kernels of k pools (both schemes), then the expansion of KPOOL-token
+    pools with the tail to slots of a page table of ``page`` tokens (positions where ``page`` is 0)."""
     if op == "kpool_store_index_k":
         return [
             builders.KpoolStoreKey(
                 KPOOL, spec.index_dim, spec.page, round_scale=spec.round_scale, slot_dtype=spec.slot_dtype
             )
         ]
-    return selection.TopkPlan(1, 0).keys(spec.k, 0, False, False) + selection.TopkPlan(2, 0).keys(
+    pools = selection.TopkPlan(1, 0).keys(spec.k, 0, False, False) + selection.TopkPlan(2, 0).keys(
         spec.k, 0, False, False
     )
+    return pools + [expand_key(KPOOL, True, spec.page)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -148,8 +168,11 @@ def _topk_case(rows: int, pools: int) -> dict:
 
     sms = sm_count(torch.device("cuda")) if torch.cuda.is_available() else selection.DEFAULT_SMS
     plan = selection.plan_topk(rows, pools, sms)
-    keys = plan.keys(POOLS_SELECTED, 0, False, False)
-    path = f"{plan.chunks} CTAs a row" if plan.chunks > 1 else "a CTA a row"
+    expand = expand_key(KPOOL, True)
+    keys = plan.keys(POOLS_SELECTED, 0, False, False) + [expand]
+    # the selection's top-k kernels, named as the top-k cases name them, then the expansion by its own name
+    selected = f"{plan.chunks} CTAs a row" if plan.chunks > 1 else "a CTA a row"
+    path = f"{selected} + {expand.name}"
     return dict(
         name=f"kpool_topk k{POOLS_SELECTED} of {pools} pools of {KPOOL}, {rows} rows",
         op="kpool_topk",
