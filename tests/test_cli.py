@@ -163,6 +163,9 @@ def _named_by_path(case: dict) -> bool:
     from csrc_tl.sparse_attn.keys import AttnKey, CombineKey
 
     keys, path = case["keys"], case["path"]
+    if len(keys) > 1 and isinstance(keys[-1], kpool.KpoolExpandKey):  # the pool selection: top-k + the expansion
+        selection, _, expansion = path.rpartition(" + ")
+        return expansion == keys[-1].name and _named_by_path(dict(case, keys=keys[:-1], path=selection))
     if all(isinstance(k, (AttnKey, CombineKey, k_cache.CacheKey)) for k in keys):
         return path.startswith(keys[0].family) and all(k.family in path for k in keys)
     named = (index.QuantIndexKey, index.IndexLogitsKey, index.PagedLogitsKey, kpool.KpoolStoreKey)
@@ -233,7 +236,7 @@ def test_gpu_check_compiles_the_kernels_its_cases_run(h200, monkeypatch):
     cli._warm_up_check(cases, device)
     # each kernel adds seconds of lowering to the first check on a fresh machine
     assert sorted(map(str, compiled)) == sorted(str(key) for case in cases for key in case.keys(device))
-    assert len(set(compiled)) == 30  # (index_topk and the pool selection reuse the indexer and top-k kernels)
+    assert len(set(compiled)) == 31  # (index_topk and the pool selection reuse the indexer and top-k kernels)
     # the attention kernels (the longest nvcc compiles) are handed to the compile threads first
     attn = [k.__class__.__name__ == "AttnKey" for k in compiled]
     assert attn == sorted(attn, reverse=True)
