@@ -202,6 +202,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(f"--json {args.json}: no directory {args.json.parent}")
     cuda = device.type == "cuda"
     if cuda:
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         torch.cuda.set_device(device)  # the events and the peak statistics are the current GPU's
     model = build_model(PUBLIC if cuda else CPU_SIZE, device)
     if cuda:
