@@ -354,7 +354,7 @@ def test_index_logits_never_show_keys_outside_the_ranges(gen):
 
 def test_index_logits_in_chunks(gen, monkeypatch):
     # a scratch bound of 30 keys' worth at 128 heads makes the reference walk 9 key chunks of one token each
-    monkeypatch.setattr(reference, "_INDEX_CHUNK_BYTES", 4 * (128 + 128) * 30)
+    monkeypatch.setattr(reference.indexer, "_INDEX_CHUNK_BYTES", 4 * (128 + 128) * 30)
     ks, ke = hostile_ranges(250)
     q, k, k_scale, weights = logit_inputs(gen, len(ks), 250, 128, 128, torch.bfloat16)
     want, magnitude = brute_index_logits(q, k, k_scale, weights, ks, ke)
@@ -438,7 +438,7 @@ def test_paged_index_logits_one_row_per_request_2d_cache(gen):
 
 def test_paged_index_logits_in_chunks(gen, monkeypatch):
     # two pages of one request per chunk (16-token pages, 2 rows of 8 heads)
-    monkeypatch.setattr(reference, "_INDEX_CHUNK_BYTES", 4 * 16 * (128 + 2 * 8) * 2)
+    monkeypatch.setattr(reference.indexer, "_INDEX_CHUNK_BYTES", 4 * 16 * (128 + 2 * 8) * 2)
     check_paged(*paged_case(gen, 16, 8, torch.bfloat16), 16)
 
 

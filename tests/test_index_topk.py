@@ -213,11 +213,11 @@ CHUNKINGS = {
 def test_index_topk_in_chunks(gen, monkeypatch, chunking):
     # T 46 runs in chunks that do not divide it, and every logit still comes from the composition's own computation
     index_bytes, topk_bytes, tokens = CHUNKINGS[chunking]
-    monkeypatch.setattr(reference, "_INDEX_CHUNK_BYTES", index_bytes)
-    monkeypatch.setattr(reference, "_INDEX_TOPK_CHUNK_BYTES", topk_bytes)
+    monkeypatch.setattr(reference.indexer, "_INDEX_CHUNK_BYTES", index_bytes)
+    monkeypatch.setattr(reference.indexer, "_INDEX_TOPK_CHUNK_BYTES", topk_bytes)
     calls = []
     scores = reference.index_logits
-    monkeypatch.setattr(reference, "index_logits", lambda q, *args: calls.append(q.shape[0]) or scores(q, *args))
+    monkeypatch.setattr(reference.indexer, "index_logits", lambda q, *args: calls.append(q.shape[0]) or scores(q, *args))
     q, k, k_scale, w = make_inputs(gen, 46, 300, 8)
     ke = torch.randint(0, 320, (46,), generator=gen, dtype=torch.int32)
     ks = ke - torch.randint(-5, 300, (46,), generator=gen, dtype=torch.int32)
