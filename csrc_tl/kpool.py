@@ -9,7 +9,7 @@ Per pool and channel d, the model's roundings (``reference.kpool_compress`` is t
 ``l_i = gate[i, d] + ape[i, d]`` in float32; ``e_i = exp(l_i - max_i l_i)`` (``expf``, the accurate exponential)
 and their sum ``s`` from token 0 up; the weight ``bf16(e_i / s)`` (the quotient rounded as the IEEE division
 rounds it); the product ``bf16(w_i * k[i, d])``; the products summed from token 0 up in float32 and rounded to
-bfloat16 once. The pooled row is then quantized with the indexer's own helpers (``csrc_tl.index``: amax,
+bfloat16 once. The pooled row is then quantized with the indexer's own helpers (``csrc_tl.indexer``: amax,
 ``max(amax, 1e-4) / 448``, optionally rounded up to a power of two, the saturating round-to-nearest-even FP8 cast),
 so its bytes are those ``store_index_k`` writes for the same row, into the same layout: page p holds ``page * D``
 FP8 values token-major (slot ``p * page + o`` at byte ``o * D``), then ``page`` float32 scales (offset o's at byte
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import tilelang.language as T
 
-from .index import DIM_MULTIPLE, GROUP, SCALE_BYTES, SLOT_DTYPES, butterfly_max, fp8_value, row_amax, row_scale
+from .indexer import DIM_MULTIPLE, GROUP, SCALE_BYTES, SLOT_DTYPES, butterfly_max, fp8_value, row_amax, row_scale
 
 __all__ = [
     "KpoolStoreKey",

@@ -95,7 +95,7 @@ def _warm_up_check(cases: list[Case], device: torch.device) -> None:
     """Compile the kernels ``cases`` run on ``device`` (each case names its own), in parallel, before the first case
     (one after another they take minutes); the progress line says what it is doing."""
     print("compiling the check's kernels in parallel (TileLang's disk cache makes the next run fast)", flush=True)
-    from csrc_tl.sparse_attn.keys import AttnKey
+    from csrc_tl.attention.keys import AttnKey
 
     from . import _cuda
 

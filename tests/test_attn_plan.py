@@ -1,6 +1,6 @@
 """CPU tests of the plan records of sparse attention: the plan of the warp-specialized kernel
-(csrc_tl.sparse_attn.plan: which producer and consumer scheme, block sizes, stages and persistence each geometry
-gets, and the device helpers its prelude carries) and the launch plan of a call (csrc_tl.sparse_attn.launch: which
+(csrc_tl.attention.plan: which producer and consumer scheme, block sizes, stages and persistence each geometry
+gets, and the device helpers its prelude carries) and the launch plan of a call (csrc_tl.attention.launch: which
 kernels run over which tokens, in how many splits). Nothing here lowers a kernel."""
 
 import dataclasses
@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import pytest
 
-from csrc_tl.sparse_attn import (
+from csrc_tl.attention import (
     DEFAULT_TILES,
     TRANSPOSED_MAX_HEADS,
     TRANSPOSED_PLAN_HEADS,
@@ -23,8 +23,8 @@ from csrc_tl.sparse_attn import (
     ws_plan,
     ws_supported,
 )
-from csrc_tl.sparse_attn.keys import AttnKey, CombineKey
-from csrc_tl.sparse_attn.launch import (
+from csrc_tl.attention.keys import AttnKey, CombineKey
+from csrc_tl.attention.launch import (
     TAIL_MIN_BLOCKS,
     TAIL_MIN_SPLITS,
     TOPK_BLOCK,
@@ -34,7 +34,7 @@ from csrc_tl.sparse_attn.launch import (
     attn_kernels,
     plan_launch,
 )
-from csrc_tl.sparse_attn.plan import DEFAULT_CTAS, WS_NREG
+from csrc_tl.attention.plan import DEFAULT_CTAS, WS_NREG
 
 
 def geometry(
@@ -412,7 +412,7 @@ def test_a_sink_or_max_logits_changes_the_prefill_kernel_and_a_sink_the_combine(
 
 
 IMPORTS = (
-    "import sys, csrc_tl.sparse_attn.launch; print(' '.join(sorted(m for m in ('torch', 'sparse_dsa_ops', "
+    "import sys, csrc_tl.attention.launch; print(' '.join(sorted(m for m in ('torch', 'sparse_dsa_ops', "
     "'tilelang') if m in sys.modules)))"
 )
 

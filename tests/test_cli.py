@@ -159,21 +159,21 @@ def _cases() -> dict[str, dict]:
 def _named_by_path(case: dict) -> bool:
     """Whether ``case``'s path names the kernels of its keys: the families of the K-cache and attention kernels, the
     indexer's and the k-pool store's kernels by their own names, the top-k kernels by how many CTAs take a row."""
-    from csrc_tl import index, k_cache, kpool, topk
-    from csrc_tl.sparse_attn.keys import AttnKey, CombineKey
+    from csrc_tl import indexer, k_cache, kpool, selection
+    from csrc_tl.attention.keys import AttnKey, CombineKey
 
     keys, path = case["keys"], case["path"]
     if len(keys) > 1 and isinstance(keys[-1], kpool.KpoolExpandKey):  # the pool selection: top-k + the expansion
-        selection, _, expansion = path.rpartition(" + ")
-        return expansion == keys[-1].name and _named_by_path(dict(case, keys=keys[:-1], path=selection))
+        head, _, expansion = path.rpartition(" + ")
+        return expansion == keys[-1].name and _named_by_path(dict(case, keys=keys[:-1], path=head))
     if all(isinstance(k, (AttnKey, CombineKey, k_cache.CacheKey)) for k in keys):
         return path.startswith(keys[0].family) and all(k.family in path for k in keys)
-    named = (index.QuantIndexKey, index.IndexLogitsKey, index.PagedLogitsKey, kpool.KpoolStoreKey)
+    named = (indexer.QuantIndexKey, indexer.IndexLogitsKey, indexer.PagedLogitsKey, kpool.KpoolStoreKey)
     if all(isinstance(k, named) for k in keys):
         return len(keys) == 1 and path == keys[0].name
-    if len(keys) == 1 and isinstance(keys[0], topk.TopkKey):
+    if len(keys) == 1 and isinstance(keys[0], selection.TopkKey):
         return path == "a CTA a row"
-    stages = [k.stage for k in keys if isinstance(k, topk.TopkSplitKey)]
+    stages = [k.stage for k in keys if isinstance(k, selection.TopkSplitKey)]
     chunks = path.removesuffix(" CTAs a row")
     return stages == ["hist", "select"] and chunks.isdigit() and int(chunks) > 1
 
@@ -211,7 +211,7 @@ def test_gpu_check_compiles_the_kernels_its_cases_run(h200, monkeypatch):
     # both geometries, both top-k schemes; the warm-up compiles the kernels the cases name, each once
     import torch
 
-    from csrc_tl import topk
+    from csrc_tl import selection as topk_builders
     from sparse_dsa_ops import __main__ as cli
     from sparse_dsa_ops import _cuda
 
@@ -230,7 +230,7 @@ def test_gpu_check_compiles_the_kernels_its_cases_run(h200, monkeypatch):
     }
     selection = {c.op: c.keys(device) for c in cases if c.op.startswith("topk")}
     assert [k.stage for k in selection["topk"]] == ["hist", "select"]
-    assert [(type(k), k.page_size) for k in selection["topk to slots"]] == [(topk.TopkKey, 64)]
+    assert [(type(k), k.page_size) for k in selection["topk to slots"]] == [(topk_builders.TopkKey, 64)]
     compiled = []
     monkeypatch.setattr(_cuda, "warmup", lambda keys, workers: compiled.extend(keys))
     cli._warm_up_check(cases, device)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import sparse_dsa_ops as dsa
-from csrc_tl.sparse_attn import partial_heads
-from csrc_tl.sparse_attn.keys import CombineKey
+from csrc_tl.attention import partial_heads
+from csrc_tl.attention.keys import CombineKey
 from sparse_dsa_ops import KCacheLayout, reference
 from tests.oracle import INT_MAX, INT_MIN, hostile_indices, unselected_slots
 

@@ -6,8 +6,8 @@ import shutil
 
 import pytest
 
-from csrc_tl import index as ix
-from csrc_tl import topk
+from csrc_tl import indexer as ix
+from csrc_tl import selection
 from tests import hip_compile
 
 pytestmark = [
@@ -67,7 +67,7 @@ def test_a_conversion_without_the_instructions_fails(fallback, quant_index, tmp_
 def test_a_tile_over_the_lds_fails_the_step(tmp_path, capsys):
     # a top-k list of 18432 entries (8 bytes each) takes 164448 bytes of LDS with the rest of the kernel's shared
     # memory, 608 more than a gfx950 workgroup has; it compiles (the launch asks for it), the step refuses it
-    key = topk.TopkKey(64, cap=18432)
+    key = selection.TopkKey(64, cap=18432)
     hip_compile.write_source(tmp_path, key.name, *hip_compile.hip_source(key))
     assert hip_compile.main(["--sources", str(tmp_path)]) == 1
     out = capsys.readouterr().out

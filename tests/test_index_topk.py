@@ -2,7 +2,7 @@
 ``topk(index_logits(q, k, k_scale, weights, ks, ke), ke - ks, topk, starts=ks, out_width=out_width)`` bit for bit on
 the same device, on random and hostile inputs; and the 2-d index-K cache's default head dim.
 
-The composition's two ops are held to brute-force oracles in ``test_index.py`` and ``test_topk.py``; here a small
+The composition's two ops are held to brute-force oracles in ``test_indexer.py`` and ``test_selection.py``; here a small
 Python oracle on the composition's logits also pins what the positions mean. The ``cuda`` tests hold the GPU op to
 the GPU composition, to the reference where the logits are exact on both devices, and measure its memory.
 """
@@ -217,7 +217,9 @@ def test_index_topk_in_chunks(gen, monkeypatch, chunking):
     monkeypatch.setattr(reference.indexer, "_INDEX_TOPK_CHUNK_BYTES", topk_bytes)
     calls = []
     scores = reference.index_logits
-    monkeypatch.setattr(reference.indexer, "index_logits", lambda q, *args: calls.append(q.shape[0]) or scores(q, *args))
+    monkeypatch.setattr(
+        reference.indexer, "index_logits", lambda q, *args: calls.append(q.shape[0]) or scores(q, *args)
+    )
     q, k, k_scale, w = make_inputs(gen, 46, 300, 8)
     ke = torch.randint(0, 320, (46,), generator=gen, dtype=torch.int32)
     ks = ke - torch.randint(-5, 300, (46,), generator=gen, dtype=torch.int32)

@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from csrc_tl.sparse_attn import head_block
+from csrc_tl.attention import head_block
 from sparse_dsa_ops import KCacheLayout, _cuda, reference
 from sparse_dsa_ops.ops import FAMILIES
 from tests.test_cuda import at_offset, attn_suite_keys
@@ -644,7 +644,7 @@ def test_inplace_raw_columns_fill_whole_lines():
     # side by side into the second of the two 128-byte lines the group takes widened (ncu: strided,
     # each 16-byte copy took a shared-memory wavefront of its own), and only lanes of the same row
     # (one warp) widen over another lane's raw bytes
-    from csrc_tl.sparse_attn import WS_THREADS_PER_ROW, ws_inplace_raw_col, ws_row_lane
+    from csrc_tl.attention import WS_THREADS_PER_ROW, ws_inplace_raw_col, ws_row_lane
 
     assert WS_THREADS_PER_ROW == 8
     for group in range(2):
@@ -675,7 +675,7 @@ def test_inplace_producer_schedule(kind, path):
     # Over packed rows (prefill and split kernels), consumer warpgroup 1 fills the last of the four passes of
     # each block (the first block before its loop, then the next one in each iteration) and the producer the
     # other three.
-    from csrc_tl.sparse_attn import WS_INPLACE_AHEAD
+    from csrc_tl.attention import WS_INPLACE_AHEAD
 
     assert WS_INPLACE_AHEAD == 2
     key = attn_keys("deepseek-512+64-h128", kind)[PATHS[path]]
@@ -747,7 +747,7 @@ def test_paired_consumers(name, kind, path, paired, halves):
 def test_register_budgets_fit_the_launch():
     # setmaxnreg requests beyond the registers the CTA launched with hang the kernel; the consumers
     # raise their budgets from the launch count and the producers' lower them
-    from csrc_tl.sparse_attn import WS_NREG, check_ws_nreg
+    from csrc_tl.attention import WS_NREG, check_ws_nreg
 
     for (_, producers), budgets in WS_NREG.items():
         check_ws_nreg(budgets, producers)
@@ -760,7 +760,7 @@ def test_ws_register_budgets_must_fit_the_launch(nreg):
     # a CTA of 384 threads launches with 168 registers a thread: setmaxnreg raises the consumers' budgets
     # from there and lowers the producer's, so a consumer budget under 168 is an illegal instruction and
     # a total over 3 x 168 hangs the kernel (both seen on an H200); the builder refuses them
-    from csrc_tl.sparse_attn import AttnGeometry, build_attn_ws
+    from csrc_tl.attention import AttnGeometry, build_attn_ws
 
     geo = AttnGeometry(512, 64, 128, "packed", False, 576**-0.5)
     with pytest.raises(AssertionError, match="budgets"):
@@ -773,7 +773,7 @@ def test_producer_rows_and_lanes(quarters):
     # every (row, lane) of a pass belongs to exactly one producer thread; with quarters the eight
     # threads of a quarter warp store the same 16-byte half of their 32-byte widened chunks to eight
     # different 16-byte bank groups of the stage's 128-byte swizzle (one wavefront), without to four
-    from csrc_tl.sparse_attn import ws_row_lane
+    from csrc_tl.attention import ws_row_lane
 
     threads = 256
     assert sorted(ws_row_lane(tx, quarters) for tx in range(threads)) == [
@@ -804,7 +804,7 @@ def test_producer_rows_and_lanes(quarters):
 def test_quarter_warp_rows(name, kind, path, quarters):
     # which warp-specialized kernels map producer threads to rows by quarter warps (ws_quarters;
     # measured choices, BENCHMARKS.md)
-    from csrc_tl.sparse_attn import ws_block, ws_quarters
+    from csrc_tl.attention import ws_block, ws_quarters
 
     key = attn_keys(name, kind)[PATHS[path]]
     split = path == "split"
@@ -825,7 +825,7 @@ def test_quarter_warp_rows(name, kind, path, quarters):
     ],
 )
 def test_ws_block_rows(name, kind, path, rows):
-    from csrc_tl.sparse_attn import ws_block
+    from csrc_tl.attention import ws_block
 
     key = attn_keys(name, kind)[PATHS[path]]
     assert ws_block(key.geo, path == "split") == rows
@@ -844,7 +844,7 @@ def test_ws_block_rows(name, kind, path, rows):
 )
 def test_bulk_copied_rows(d_v, d_rope, kind, split, bulk):
     # which staged producers copy each row by one TMA bulk copy (ws_bulk)
-    from csrc_tl.sparse_attn import AttnGeometry, ws_block, ws_bulk
+    from csrc_tl.attention import AttnGeometry, ws_block, ws_bulk
 
     geo = AttnGeometry(d_v, d_rope, 64, kind, False, (d_v + d_rope) ** -0.5)
     assert ws_bulk(geo, split, ws_block(geo, split)) is bulk
@@ -887,7 +887,7 @@ NOT_PERSISTENT = [
 def test_persistent_prefill_keys():
     # the GLM packed prefill (bulk-copied staged rows) is persistent: its key carries the CTA count (the current
     # GPU's SM count, or DEFAULT_CTAS without one) and each CTA walks items bx, bx + CTAs, ...; no other kernel is
-    from csrc_tl.sparse_attn import DEFAULT_CTAS, AttnGeometry, ws_persistent
+    from csrc_tl.attention import DEFAULT_CTAS, AttnGeometry, ws_persistent
 
     key = attn_keys("glm-256+0-h64", "packed")[0]
     assert key.family == "attn_prefill_ws" and key.ctas == DEFAULT_CTAS
@@ -915,7 +915,7 @@ def test_persistent_prefill_source():
 def test_sink_combine_folds_the_sink_into_the_normalization(target):
     # a split decode with an attention sink normalizes in its combine: exp(sink - lse) joins the denominator of
     # out (and only of out); the combine without a sink neither takes nor reads one
-    from csrc_tl.sparse_attn.keys import CombineKey
+    from csrc_tl.attention.keys import CombineKey
 
     plain, sink = (kernel_body(source(CombineKey(512, 64, 64, target == "cuda", s), target)) for s in (False, True))
     assert "attn_sink" not in plain

@@ -24,7 +24,7 @@ import sparse_dsa_ops as dsa
 from csrc_tl.kpool import KpoolExpandKey, KpoolStoreKey, build_kpool_expand, build_kpool_store_index_k, lane_plan
 from sparse_dsa_ops import reference
 from tests.oracle import INT_MAX, INT_MIN
-from tests.test_index_kernels import enclosing_conditions
+from tests.test_indexer_kernels import enclosing_conditions
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0

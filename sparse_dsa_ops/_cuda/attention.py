@@ -1,4 +1,4 @@
-"""GPU implementation of sparse attention: the kernel keys of the launch plan (:mod:`csrc_tl.sparse_attn.launch`:
+"""GPU implementation of sparse attention: the kernel keys of the launch plan (:mod:`csrc_tl.attention.launch`:
 which kernels, how many splits) and the launches."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from collections.abc import Iterable
 
 import torch
 
-from csrc_tl.sparse_attn import AttnGeometry
-from csrc_tl.sparse_attn import keys as builders
-from csrc_tl.sparse_attn.keys import AttnKey, CombineKey
-from csrc_tl.sparse_attn.launch import AttnLaunch, attn_kernels, plan_launch, plan_splits, plan_tail
+from csrc_tl.attention import AttnGeometry
+from csrc_tl.attention import keys as builders
+from csrc_tl.attention.keys import AttnKey, CombineKey
+from csrc_tl.attention.launch import AttnLaunch, attn_kernels, plan_launch, plan_splits, plan_tail
 
 from ..ops import OPS, AttnArgs, check_gather_dequant_k_cache, takes_checked
 from . import k_cache
@@ -67,13 +67,13 @@ def attn_keys(
     """The kernels ``sparse_attn`` runs for one geometry on ``target`` (default: this machine's), in
     this order: the prefill kernel; the split decode kernels; the decode's combine (last).
 
-    The launch plan picks them (:func:`csrc_tl.sparse_attn.launch.attn_kernels`): warp-specialized where the
+    The launch plan picks them (:func:`csrc_tl.attention.launch.attn_kernels`): warp-specialized where the
     geometry allows on sm_90 CUDA, else portable. ``kv_kind`` is "bf16", "fp8" or "packed"; ``q_fp8`` picks the
     kernels for a float8_e4m3fn q, ``sink`` those of calls with an ``attn_sink``, ``max_logits`` those of
     :func:`sparse_dsa_ops.sparse_attn_with_max_logits` (both: the prefill kernel's ``sink_max`` variant, and with
     ``sink`` the combine that folds the sink in). A persistent prefill kernel
     is compiled for ``sm_count`` CTAs: by default the current GPU's SM count, or
-    :data:`csrc_tl.sparse_attn.DEFAULT_CTAS` (an H200's) for another target or without a GPU."""
+    :data:`csrc_tl.attention.DEFAULT_CTAS` (an H200's) for another target or without a GPU."""
     geo = _geometry(kv_kind, d_v, d_rope, heads, sm_scale, has_topk_length, q_fp8)
     if sm_count is None and target is None and torch.cuda.is_available():
         sm_count = _sm_count_here()
@@ -100,7 +100,7 @@ def plan_attn(
     max_logits: bool = False,
     transposed: bool | None = None,
 ) -> AttnLaunch:
-    """The launch plan of one call (:func:`csrc_tl.sparse_attn.launch.plan_launch`: its kernel keys and split count;
+    """The launch plan of one call (:func:`csrc_tl.attention.launch.plan_launch`: its kernel keys and split count;
     ``target``, ``sink`` and ``max_logits`` as in :func:`attn_keys`; ``transposed=False``: the plain consumers at any
     head count, for the bench's same-run comparison)."""
     geo = _geometry(kv_kind, d_v, d_rope, heads, sm_scale, has_topk_length, q_fp8)

@@ -1,7 +1,7 @@
 """GPU implementations of the lightning indexer's ops (arguments already checked by the family's
 contract, ``sparse_dsa_ops.ops.indexer``).
 
-The kernels (``csrc_tl.index``) take the paged index-K cache as ``[P, page * (D + 4)]`` uint8 whatever view the
+The kernels (``csrc_tl.indexer``) take the paged index-K cache as ``[P, page * (D + 4)]`` uint8 whatever view the
 caller passes, 2-d queries and weights, and write every output element, so outputs are never zero-filled first.
 """
 
@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from csrc_tl import index as builders
+from csrc_tl import indexer as builders
 
 from ..ops import takes_checked
 from .common import aligned, slot_dtype

@@ -1,5 +1,5 @@
 """GPU implementation of the exact top-k selection (arguments already checked by the family's contract,
-``sparse_dsa_ops.ops.selection``): the TileLang kernels of ``csrc_tl.topk``, one CTA per row when the rows fill
+``sparse_dsa_ops.ops.selection``): the TileLang kernels of ``csrc_tl.selection``, one CTA per row when the rows fill
 the GPU (:func:`plan_topk`), and for few long rows (decode) each row split over several CTAs in two launches, whose
 scratch is allocated per call.
 """
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from csrc_tl import topk as builders
+from csrc_tl import selection as builders
 
 from ..ops import takes_checked
 from .common import aligned

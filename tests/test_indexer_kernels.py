@@ -1,4 +1,4 @@
-"""The lightning indexer's TileLang kernels (``csrc_tl/index.py``) on their own, without the ops around them.
+"""The lightning indexer's TileLang kernels (``csrc_tl/indexer.py``) on their own, without the ops around them.
 
 CPU: representative keys of every builder lowered for CUDA (sm_90a) and HIP (gfx950), and checks of what only the
 generated code shows (the FP8 GEMM instruction, TMA loads, cache reads behind their slot checks, no register spills
@@ -18,7 +18,7 @@ import subprocess
 import pytest
 import torch
 
-from csrc_tl import index as ix
+from csrc_tl import indexer as ix
 from csrc_tl import kpool as kp
 
 FP8 = torch.float8_e4m3fn

@@ -17,7 +17,7 @@ class AttnKey:
     split decode kernel) over ``geo``; ``ctas`` the grid of a persistent warp-specialized prefill (0: one CTA per
     token and head block); ``sink_max`` the prefill variant that also takes an ``attn_sink [H]`` float32 (joining
     each row's denominator of ``out``) and writes ``max_logits [T, H]`` float32 (each row's largest scaled score);
-    ``transposed`` a warp-specialized kernel's few-heads consumers (:func:`~csrc_tl.sparse_attn.plan.ws_transposed`)."""
+    ``transposed`` a warp-specialized kernel's few-heads consumers (:func:`~csrc_tl.attention.plan.ws_transposed`)."""
 
     scheme: str
     geo: AttnGeometry

@@ -1,6 +1,6 @@
 """The consumer warpgroups of a warp-specialized kernel: macros that score the stages, run the online softmax and
 the two halves of PV and store the rows, for the paired and the single consumer schemes of the plan
-(:class:`csrc_tl.sparse_attn.plan.WsPlan`)."""
+(:class:`csrc_tl.attention.plan.WsPlan`)."""
 
 from types import SimpleNamespace
 
@@ -206,7 +206,7 @@ def _consume0_paired(plan: WsPlan, items: SimpleNamespace, scores: SimpleNamespa
 
 
 def _transposed_macros(plan: WsPlan) -> SimpleNamespace:
-    """Consumer warpgroup 0's softmax steps in the transposed consumers (:func:`~csrc_tl.sparse_attn.ws_transposed`)."""
+    """Consumer warpgroup 0's softmax steps in the transposed consumers (:func:`~csrc_tl.attention.ws_transposed`)."""
     block_i, hb, scale2 = plan.block_i, plan.hb, plan.scale2
 
     @T.macro
@@ -262,7 +262,7 @@ def _transposed_macros(plan: WsPlan) -> SimpleNamespace:
 
 
 def _consume0_single(plan: WsPlan, items: SimpleNamespace, scores: SimpleNamespace) -> SimpleNamespace:
-    """Consumer warpgroup 0 of the single scheme (plain or transposed: :func:`~csrc_tl.sparse_attn.ws_transposed`)."""
+    """Consumer warpgroup 0 of the single scheme (plain or transposed: :func:`~csrc_tl.attention.ws_transposed`)."""
     geo, split, block_i, hb, persist = plan.geo, plan.split, plan.block_i, plan.hb, plan.persist
     copies_async, scale2, sink_max, transposed = plan.copies_async, plan.scale2, plan.sink_max, plan.transposed
     heads = geo.heads
@@ -593,7 +593,7 @@ def _consume1_single(
 
 
 def consumer_macros(plan: WsPlan, items: SimpleNamespace, prod: SimpleNamespace) -> SimpleNamespace:
-    """The consumer macros of ``plan`` over the work items ``items`` (:func:`csrc_tl.sparse_attn.ws_work.work_helpers`)
+    """The consumer macros of ``plan`` over the work items ``items`` (:func:`csrc_tl.attention.ws_work.work_helpers`)
     and the producer macros ``prod`` (consumer warpgroup 1 widens with them where ``plan.wg1_widens``): the whole body
     of each consumer warpgroup per consumer scheme (``consume0_paired``, ``consume0_single``, ``consume1_paired``,
     ``consume1_single``), each taking the kernel's buffers and indices ``c``."""

@@ -1,8 +1,8 @@
-"""The plan of a warp-specialized sparse-attention kernel (:func:`csrc_tl.sparse_attn.build_attn_ws`): which producer
+"""The plan of a warp-specialized sparse-attention kernel (:func:`csrc_tl.attention.build_attn_ws`): which producer
 scheme gathers the top-k rows, how the consumer warpgroups share a block, the stages, the persistence and every size
 derived from them, decided once by :func:`ws_plan` from the kernel's key. The kernel's modules read the plan and
 decide nothing again. Which kernels a call runs (this one or the portable ones, over which tokens, in how many
-splits) is the launch plan's, :mod:`csrc_tl.sparse_attn.launch`, which asks :func:`ws_supported` and
+splits) is the launch plan's, :mod:`csrc_tl.attention.launch`, which asks :func:`ws_supported` and
 :func:`ws_persistent` here.
 
 Producer schemes: bf16 rows are copied by cp.async straight into a stage (``copies_async``; over 64-row blocks of
@@ -205,7 +205,7 @@ TRANSPOSED_PLAN_HEADS = (32, 32)
 
 def ws_transposed(geo: AttnGeometry, split: bool, most: int | None = None) -> bool:
     """Whether the warp-specialized kernels of ``geo`` run the transposed consumers: at most
-    :data:`~csrc_tl.sparse_attn.geometry.TRANSPOSED_MAX_HEADS` heads (a tensor-parallel shard: 8 to 32 heads per GPU).
+    :data:`~csrc_tl.attention.geometry.TRANSPOSED_MAX_HEADS` heads (a tensor-parallel shard: 8 to 32 heads per GPU).
 
     Why: the plain consumers put the heads in the GEMMs' M dimension, whose wgmma tile is 64 rows, so 8 or 16 heads
     cost what 64 cost. Transposed, the block's keys are M (``S^T = K . Q^T``, 64 keys by ``hb`` heads, ``hb`` the
@@ -296,7 +296,7 @@ class WsPlan:
 
     @property
     def prelude(self) -> str | None:
-        """The device helpers the kernel calls (:mod:`csrc_tl.sparse_attn.device`), or None."""
+        """The device helpers the kernel calls (:mod:`csrc_tl.attention.device`), or None."""
         return device.prelude(
             self.paired,
             self.inplace,

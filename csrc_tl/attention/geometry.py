@@ -1,6 +1,6 @@
 """The geometry record every sparse-attention kernel is specialized on, and the head blocking shared by the kernels.
 
-Letters: T tokens, H heads, K top-k entries, S pool rows, NS splits (see :mod:`csrc_tl.sparse_attn`).
+Letters: T tokens, H heads, K top-k entries, S pool rows, NS splits (see :mod:`csrc_tl.attention`).
 """
 
 from dataclasses import dataclass

@@ -1,5 +1,5 @@
 """The producer warpgroups of a warp-specialized kernel: macros that gather the top-k rows of each block into the
-stages, one scheme per plan (:class:`csrc_tl.sparse_attn.plan.WsPlan`): bf16 rows by cp.async into whole stages or
+stages, one scheme per plan (:class:`csrc_tl.attention.plan.WsPlan`): bf16 rows by cp.async into whole stages or
 stage halves, FP8 rows staged raw and widened shared-to-shared (cp.async or TMA bulk copies), or widened in place."""
 
 from types import SimpleNamespace
@@ -727,7 +727,7 @@ def _inplace_macros(plan: WsPlan, dims, lanes: SimpleNamespace) -> SimpleNamespa
 
 def producer_macros(plan: WsPlan, dims, items: SimpleNamespace) -> SimpleNamespace:
     """The producer macros of ``plan`` over the dynamic sizes ``dims`` and the work items ``items``
-    (:func:`csrc_tl.sparse_attn.ws_work.work_helpers`): ``load_index`` and ``produce_inplace`` (which consumer
+    (:func:`csrc_tl.attention.ws_work.work_helpers`): ``load_index`` and ``produce_inplace`` (which consumer
     warpgroup 1 also runs where ``plan.wg1_widens``), and per scheme the whole body of the producer warpgroups
     (``inplace``, ``staged``, ``halves``, ``bf16``), each taking the kernel's buffers and indices ``c``."""
     lanes = _lane_macros(plan, dims)

@@ -1,4 +1,4 @@
-"""The top-k kernels of ``csrc_tl.topk``: lowering on the CPU (CUDA sm_90a and HIP gfx950), exact results on a GPU.
+"""The top-k kernels of ``csrc_tl.selection``: lowering on the CPU (CUDA sm_90a and HIP gfx950), exact results on a GPU.
 
 The GPU tests compile the kernels straight from their builders and hold them to an oracle written here (a stable sort
 of (-key, position) per row, in int64 on the CPU), independent of ``sparse_dsa_ops.reference``.
@@ -14,7 +14,7 @@ import subprocess
 import pytest
 import torch
 
-from csrc_tl import topk
+from csrc_tl import selection
 from tests.oracle import INT_MAX, INT_MIN
 
 NVCC = shutil.which("nvcc")
@@ -42,25 +42,27 @@ def signature(src: str) -> str:
 
 def test_names_spell_out_the_specialization():
     keys = [
-        topk.TopkKey(2048),
-        topk.TopkKey(1024),
-        topk.TopkKey(2048, page_size=64),
-        topk.TopkKey(2048, has_starts=True),
-        topk.TopkKey(2048, page_size=64, has_row_request=True),
-        topk.TopkKey(2048, threads=1024),
-        topk.TopkKey(2048, cap=4096),
-        topk.TopkSplitKey(2048, "hist"),
-        topk.TopkSplitKey(2048, "select"),
+        selection.TopkKey(2048),
+        selection.TopkKey(1024),
+        selection.TopkKey(2048, page_size=64),
+        selection.TopkKey(2048, has_starts=True),
+        selection.TopkKey(2048, page_size=64, has_row_request=True),
+        selection.TopkKey(2048, threads=1024),
+        selection.TopkKey(2048, cap=4096),
+        selection.TopkSplitKey(2048, "hist"),
+        selection.TopkSplitKey(2048, "select"),
     ]
     assert len({key.name for key in keys}) == len(keys)
-    assert topk.TopkKey(4096, page_size=64, has_starts=True).name == "topk_rows_k4096_page64_starts_t512_v4_cap8192"
+    assert (
+        selection.TopkKey(4096, page_size=64, has_starts=True).name == "topk_rows_k4096_page64_starts_t512_v4_cap8192"
+    )
 
 
 @pytest.mark.parametrize(
     "fields",
     [
         dict(k=0),
-        dict(k=topk.MAX_K + 1),
+        dict(k=selection.MAX_K + 1),
         dict(k=64, has_row_request=True),
         dict(k=64, threads=96),
         dict(k=64, threads=64, vec=4),
@@ -69,12 +71,12 @@ def test_names_spell_out_the_specialization():
 )
 def test_keys_refuse_what_the_kernels_cannot_do(fields):
     with pytest.raises(AssertionError):
-        topk.TopkKey(**fields)
+        selection.TopkKey(**fields)
 
 
 @pytest.mark.parametrize("width, chunks", [(1, 1), (131072, 32), (131071, 32), (65536, 7), (0, 3)])
 def test_split_chunks_cover_the_row(width, chunks):
-    chunk = topk.split_chunk(width, chunks)
+    chunk = selection.split_chunk(width, chunks)
     assert chunk >= 1 and chunks * chunk >= width and (width == 0 or (chunks - 1) * chunk < width)
 
 
@@ -82,10 +84,10 @@ def test_split_chunks_cover_the_row(width, chunks):
 # Lowering (CPU).
 
 LOWERED = [
-    (topk.TopkKey(2048, page_size=PAGE, has_starts=True, has_row_request=True), "cuda"),
-    (topk.TopkKey(2048, page_size=PAGE, has_starts=True, has_row_request=True), "hip"),
-    (topk.TopkSplitKey(2048, "hist", has_starts=True), "cuda"),
-    (topk.TopkSplitKey(2048, "select", has_starts=True), "cuda"),
+    (selection.TopkKey(2048, page_size=PAGE, has_starts=True, has_row_request=True), "cuda"),
+    (selection.TopkKey(2048, page_size=PAGE, has_starts=True, has_row_request=True), "hip"),
+    (selection.TopkSplitKey(2048, "hist", has_starts=True), "cuda"),
+    (selection.TopkSplitKey(2048, "select", has_starts=True), "cuda"),
 ]
 
 
@@ -117,12 +119,12 @@ def _sweep():
     ]
     keys = []
     for starts, page, request in variants:
-        keys.append(topk.TopkKey(2048, page_size=page, has_starts=starts, has_row_request=request))
+        keys.append(selection.TopkKey(2048, page_size=page, has_starts=starts, has_row_request=request))
         keys += [
-            topk.TopkSplitKey(1, stage, page_size=page, has_starts=starts, has_row_request=request)
+            selection.TopkSplitKey(1, stage, page_size=page, has_starts=starts, has_row_request=request)
             for stage in ("hist", "select")
         ]
-    return keys + [topk.TopkKey(4096, threads=1024), topk.TopkKey(1, threads=256, cap=4096)]
+    return keys + [selection.TopkKey(4096, threads=1024), selection.TopkKey(1, threads=256, cap=4096)]
 
 
 @pytest.mark.lowering
@@ -263,9 +265,9 @@ def hostile_pages(rows: int, requests: int, gen: torch.Generator):
 def compiled(key):
     import tilelang
 
-    build = topk.build_topk_rows if isinstance(key, topk.TopkKey) else topk.build_topk_split
+    build = selection.build_topk_rows if isinstance(key, selection.TopkKey) else selection.build_topk_split
     return tilelang.compile(
-        build(key), target="hip" if torch.version.hip else "cuda", pass_configs=topk.pass_configs(key)
+        build(key), target="hip" if torch.version.hip else "cuda", pass_configs=selection.pass_configs(key)
     )
 
 
@@ -299,10 +301,10 @@ def inputs(key, out_width, gen):
 
 # (key, output width W')
 GPU_KEYS = [
-    (topk.TopkKey(1, has_starts=True), 64),
-    (topk.TopkKey(4096, has_starts=True), 4096),
-    (topk.TopkKey(2048, page_size=PAGE, has_starts=True, has_row_request=True), 2112),
-    (topk.TopkKey(2048, page_size=PAGE), 2048),
+    (selection.TopkKey(1, has_starts=True), 64),
+    (selection.TopkKey(4096, has_starts=True), 4096),
+    (selection.TopkKey(2048, page_size=PAGE, has_starts=True, has_row_request=True), 2112),
+    (selection.TopkKey(2048, page_size=PAGE), 2048),
 ]
 
 
@@ -326,14 +328,14 @@ def test_split_kernels_are_exact(gen, key, out_width, chunks):
     from sparse_dsa_ops._cuda.selection import SPLIT_THREADS  # the op's split kernels
 
     hist, select = (
-        compiled(topk.TopkSplitKey(**fields, stage=stage, threads=SPLIT_THREADS)) for stage in ("hist", "select")
+        compiled(selection.TopkSplitKey(**fields, stage=stage, threads=SPLIT_THREADS)) for stage in ("hist", "select")
     )
     logits, lengths, optional, expect = inputs(key, out_width, gen)
     rows = logits.shape[0]
     starts = optional[:1] if key.has_starts else []
-    counters = torch.zeros(rows, topk.COUNTERS, dtype=torch.int32, device="cuda")
-    row_state = torch.full((rows, topk.ROW_STATE), POISON, dtype=torch.int32, device="cuda")
-    cand = torch.full((rows, chunks, 2, topk.split_chunk(WIDTH, chunks)), POISON, dtype=torch.int32, device="cuda")
+    counters = torch.zeros(rows, selection.COUNTERS, dtype=torch.int32, device="cuda")
+    row_state = torch.full((rows, selection.ROW_STATE), POISON, dtype=torch.int32, device="cuda")
+    cand = torch.full((rows, chunks, 2, selection.split_chunk(WIDTH, chunks)), POISON, dtype=torch.int32, device="cuda")
     cand_count = torch.full((rows, chunks), POISON, dtype=torch.int32, device="cuda")
     outs = []
     for _ in range(2):  # the second call runs on the counters the first one left

@@ -1,7 +1,7 @@
 """The warp-specialized sparse-attention kernel for Hopper (:func:`build_attn_ws`): its shared buffers, barriers and
 fragments, the work item of each CTA, and the dispatch of the warpgroups to the producer and consumer macros of its
-plan (:mod:`csrc_tl.sparse_attn.plan`, :mod:`~csrc_tl.sparse_attn.ws_producer`,
-:mod:`~csrc_tl.sparse_attn.ws_consumer`)."""
+plan (:mod:`csrc_tl.attention.plan`, :mod:`~csrc_tl.attention.ws_producer`,
+:mod:`~csrc_tl.attention.ws_consumer`)."""
 
 from types import SimpleNamespace
 
@@ -54,7 +54,7 @@ def build_attn_ws(
     denominator of ``out`` at the end, and writes ``max_logits [T, H]`` float32, each row's exact largest scaled
     score (the paired scheme's running max is lazy, so its warpgroups track the exact one beside it).
 
-    Every choice above is made once, by :func:`~csrc_tl.sparse_attn.plan.ws_plan` (the :class:`WsPlan` record);
+    Every choice above is made once, by :func:`~csrc_tl.attention.plan.ws_plan` (the :class:`WsPlan` record);
     the producer (:mod:`.ws_producer`) and consumer (:mod:`.ws_consumer`) macros read it.
     """
     plan = ws_plan(
@@ -83,8 +83,8 @@ def build_attn_ws(
 
 def _attend_macro(plan: WsPlan, dims, prod: SimpleNamespace, cons: SimpleNamespace):
     """The ``attend`` macro of ``plan``'s kernel: the allocations its schemes need, the CTA's work item and the
-    dispatch of the warpgroups to the macros of ``prod`` (:func:`~csrc_tl.sparse_attn.ws_producer.producer_macros`)
-    and ``cons`` (:func:`~csrc_tl.sparse_attn.ws_consumer.consumer_macros`).
+    dispatch of the warpgroups to the macros of ``prod`` (:func:`~csrc_tl.attention.ws_producer.producer_macros`)
+    and ``cons`` (:func:`~csrc_tl.attention.ws_consumer.consumer_macros`).
 
     Each piece is a macro of its own, called in the order the kernel allocates and computes: the shared stages, the
     shared buffers the consumers exchange, the consumers' fragments, the barriers, the work item; each returns its

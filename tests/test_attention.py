@@ -151,10 +151,14 @@ def test_deterministic(gen):
 
 
 @pytest.mark.parametrize("kind", ["bf16", "fp8", "packed", "packed-strided-pages"])
-def test_gpu_max_logits_scheme_matches_the_reference(gen, kind):
-    # the GPU backend's attn_max_logits is torch code over the gather kernels: run it here over the CPU ops
+def test_gpu_max_logits_scheme_matches_the_reference(gen, kind, monkeypatch):
+    # the GPU backend's attn_max_logits is torch code over the K-cache family's gather kernel: run it here with the
+    # reference's gather in the kernel's place
     from sparse_dsa_ops import _cuda
     from sparse_dsa_ops.ops import check_attn_max_logits
+
+    gather = dsa.reference.gather_dequant_k_cache
+    monkeypatch.setattr(_cuda.attention.k_cache, "gather_dequant_k_cache", lambda _, cache, ids: gather(cache, ids))
 
     geo, t_count, heads, topk = DEEPSEEK, 5, 16, 192
     idx = hostile_indices(gen, t_count, topk, NUM_SLOTS, empty_rows=[1])

@@ -1,5 +1,5 @@
 """The portable sparse-attention kernel (any TileLang target): one block per (token, head block) and, for decode,
-per split of the top-k blocks; see :mod:`csrc_tl.sparse_attn` for the arguments."""
+per split of the top-k blocks; see :mod:`csrc_tl.attention` for the arguments."""
 
 import tilelang.language as T
 
@@ -18,7 +18,7 @@ def build_attn(
     sink_max: bool = False,
 ):
     """The sparse-attention program for ``geo``; see the module docstring for its arguments (``sink_max``: the
-    prefill variant with an attention sink and the row maxima, :class:`~csrc_tl.sparse_attn.keys.AttnKey`)."""
+    prefill variant with an attention sink and the row maxima, :class:`~csrc_tl.attention.keys.AttnKey`)."""
     geo.check()
     assert not (sink_max and split), "sink_max: the prefill kernel's"
     d_v, d_tail, heads = geo.d_v, geo.d_rope, geo.heads

@@ -1,4 +1,4 @@
-"""The work items of a warp-specialized kernel (:mod:`csrc_tl.sparse_attn.ws_kernel`): one (token, head block) per
+"""The work items of a warp-specialized kernel (:mod:`csrc_tl.attention.ws_kernel`): one (token, head block) per
 CTA, or for a persistent kernel (``plan.persist``) the items ``bx, bx + ctas, ...`` of CTA ``bx`` one after another."""
 
 from types import SimpleNamespace

@@ -1,6 +1,6 @@
-// Device helpers of the warp-specialized sparse-attention kernels (csrc_tl/sparse_attn/ws_kernel.py).
+// Device helpers of the warp-specialized sparse-attention kernels (csrc_tl/attention/ws_kernel.py).
 // The kernel builder reads this file by sections: the text after a `// section: NAME` line up to the next one is
-// injected verbatim into a kernel's prelude when its plan needs that helper (see csrc_tl/sparse_attn/device.py), so
+// injected verbatim into a kernel's prelude when its plan needs that helper (see csrc_tl/attention/device.py), so
 // the generated source depends on every byte of a section, blank lines included.
 // section: row_sums
 

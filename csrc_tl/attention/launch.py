@@ -7,7 +7,7 @@ persistent grid that walks them) and the split path over the rest: the split ker
 remaining token's top-k range, then the combine that merges the parts. A decode (few tokens) takes the split path
 only; a persistent prefill sends the tokens of its last, partial round there (:func:`plan_tail`).
 
-Letters: T tokens, H heads, K top-k entries (see :mod:`csrc_tl.sparse_attn`).
+Letters: T tokens, H heads, K top-k entries (see :mod:`csrc_tl.attention`).
 """
 
 import math
@@ -129,13 +129,13 @@ def attn_kernels(
     max_logits: bool = False,
 ) -> AttnKernels:
     """The kernels of ``geo`` on a target, sm_90 CUDA where ``sm90``. There, where the geometry allows
-    (:func:`csrc_tl.sparse_attn.ws_supported`, any head count), the prefill and the split kernel are warp-specialized,
-    else both are portable. A warp-specialized prefill that :func:`csrc_tl.sparse_attn.ws_persistent` builds persistent
-    launches one CTA per SM: ``sm_count`` of them, or :data:`csrc_tl.sparse_attn.DEFAULT_CTAS` (an H200's) where
+    (:func:`csrc_tl.attention.ws_supported`, any head count), the prefill and the split kernel are warp-specialized,
+    else both are portable. A warp-specialized prefill that :func:`csrc_tl.attention.ws_persistent` builds persistent
+    launches one CTA per SM: ``sm_count`` of them, or :data:`csrc_tl.attention.DEFAULT_CTAS` (an H200's) where
     None. After a warp-specialized split kernel the combine is its programmatic dependent. At
-    :data:`~csrc_tl.sparse_attn.geometry.TRANSPOSED_MAX_HEADS` heads or fewer (a tensor-parallel shard) the
+    :data:`~csrc_tl.attention.geometry.TRANSPOSED_MAX_HEADS` heads or fewer (a tensor-parallel shard) the
     warp-specialized kernels run the transposed few-heads consumers where they apply
-    (:func:`csrc_tl.sparse_attn.ws_transposed`); ``transposed=False`` asks for the plain ones, ``True`` for the
+    (:func:`csrc_tl.attention.ws_transposed`); ``transposed=False`` asks for the plain ones, ``True`` for the
     transposed ones wherever they are built (up to TRANSPOSED_MAX_HEADS heads): the bench's same-run comparison.
     With ``sink`` the prefill kernel and the combine take an attention sink, with ``max_logits`` the prefill kernel
     writes the row maxima (its ``sink_max`` variant does both)."""
