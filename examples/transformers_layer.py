@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import itertools
 import json
 import statistics
@@ -73,6 +74,12 @@ def layer_inputs(model, tokens: int, start: int) -> dict:
     return dict(hidden_states=hidden, attention_mask=mask, position_ids=positions, position_embeddings=rope)
 
 
+def cache_argument(attn) -> str:
+    """The name under which the original ``attn.forward`` takes the cache: ``cache``, or ``past_key_values`` in
+    transformers before 5.24 (whose forward would take ``cache`` into its ``**kwargs`` and run without one)."""
+    return "cache" if "cache" in inspect.signature(type(attn).forward).parameters else "past_key_values"
+
+
 def timed_call(attn, kwargs: dict, weights: int) -> tuple[float, float | None]:
     """Microseconds of ``attn(**kwargs)`` and, on a GPU, its peak GiB above ``weights`` bytes."""
     if kwargs["hidden_states"].device.type != "cuda":
@@ -99,8 +106,11 @@ def measure(model, tokens: int, new_cache: Callable, runs: int) -> tuple[float, 
     samples = []
     for _ in range(runs + 1):
         cache = new_cache()
-        kwargs = {**layer_inputs(model, tokens, cache.get_seq_length()), "cache": cache}
+        start = cache.get_seq_length()
+        kwargs = {**layer_inputs(model, tokens, start), cache_argument(attn): cache}
         samples.append(timed_call(attn, kwargs, weights))
+        if cache.get_seq_length() != start + tokens:  # a decode step timed without its cached keys would mislead
+            raise RuntimeError(f"the layer left {cache.get_seq_length()} tokens in its cache, not {start + tokens}")
     peaks = [s[1] for s in samples[1:] if s[1] is not None]
     return statistics.median(s[0] for s in samples[1:]), max(peaks, default=None), cache
 
@@ -116,14 +126,23 @@ def fits(fn: Callable, *args):
     return None
 
 
+@torch.no_grad()
 def random_cache(model, tokens: int) -> DynamicCache:
-    """The original's cache after ``tokens`` random rows: latent ``[1, 1, T, 512]``, RoPE tail ``[1, 1, T, 64]``
-    and index keys ``[1, T, 128]``, bfloat16."""
-    attn, cache = model.model.layers[0].self_attn, DynamicCache(config=model.config)
-    widths = (attn.kv_lora_rank, attn.qk_rope_head_dim, attn.indexer.head_dim)
-    latent, rope, index = (torch.randn(1, 1, tokens, w, device=model.device, dtype=torch.bfloat16) for w in widths)
-    cache.update(latent, rope, attn.layer_idx)
-    cache.update_indexer(index[0], attn.layer_idx)
+    """The original's cache after ``tokens`` random bfloat16 rows shaped as the layer caches its own, which one
+    token through the layer shows: the latent ``[1, 1, T, 512]`` and RoPE tail ``[1, 1, T, 64]`` (the per-head keys
+    ``[1, 128, T, 192]`` and values ``[1, 128, T, 128]`` in transformers 5.17), and index keys ``[1, T, 128]``."""
+    attn = model.model.layers[0].self_attn
+    probe = DynamicCache(config=model.config)
+    attn(**layer_inputs(model, 1, 0), **{cache_argument(attn): probe})
+    layer = probe.layers[attn.layer_idx]
+
+    def rows(like: torch.Tensor) -> torch.Tensor:  # [B, ..., 1, W] -> [B, ..., T, W]
+        shape = (*like.shape[:-2], tokens, like.shape[-1])
+        return torch.randn(shape, device=model.device, dtype=torch.bfloat16)
+
+    cache = DynamicCache(config=model.config)
+    cache.update(rows(layer.keys), rows(layer.values), attn.layer_idx)
+    cache.update_indexer(rows(layer.indexer_keys), attn.layer_idx)
     return cache
 
 

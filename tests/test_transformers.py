@@ -76,7 +76,8 @@ def tiny_kpool_config(index_topk: int):
         hidden_size=128,
         intermediate_size=128,
         num_hidden_layers=3,
-        layer_types=["linear_attention", "indexed_attention", "indexed_attention"],
+        # every transformers version maps "full_attention" to its own name of a DSA layer
+        layer_types=["linear_attention", "full_attention", "full_attention"],
         indexer_types=["full", "full", "shared"],
         mlp_layer_types=["dense"] * 3,
         linear_num_heads=2,
@@ -118,8 +119,9 @@ def fp8_rounded(x: torch.Tensor) -> torch.Tensor:
     return values.float() * scale.unsqueeze(-1)
 
 
-def fp8_indexer_forward(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids, cache=None):
+def fp8_indexer_forward(self, hidden_states, q_resid, position_embeddings, attention_mask, *args, cache=None, **kwargs):
     """transformers' indexer forward with FP8-rounded queries and keys: the selection the ops make."""
+    cache = kwargs.get("past_key_values", cache)  # the cache's name before transformers 5.24
     rope = getattr(sys.modules[type(self).__module__], self._rope_name)
     b, s, _ = hidden_states.shape
     cos, sin = position_embeddings
@@ -220,7 +222,9 @@ def test_attention_layers_match_the_original(name, kv_cache, device):
     io = layer_io(original, ids, mask)
     assert len(io) == 2
     for layer, ((args, kwargs, want), attn) in enumerate(zip(io, dsa_attentions(patched))):
-        kwargs = {**kwargs, "cache": None, "prev_topk_indices": selection}
+        # without the original's cache (named past_key_values before transformers 5.24)
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("cache", "past_key_values")}
+        kwargs["prev_topk_indices"] = selection
         with torch.no_grad():
             out = attn(*args, **kwargs)
         got = out[0].float()
@@ -335,6 +339,17 @@ def test_the_layer_example_times_both_models_at_smoke_size(tmp_path, capsys):
     record = json.loads(path.read_text())
     got = {(r["case"], r["model"]) for r in record["rows"] if r["fits"] and r["us"] > 0}
     assert got == {(case, model) for case in ("prefill", "decode") for model in ("patched", "original")}
+
+
+def test_the_layer_examples_random_cache_feeds_the_originals_decode_step():
+    # where the original's prefill does not fit, its decode step runs on random rows shaped as the layer's own cache
+    # (latents, or per-head keys and values in transformers 5.17): the step must read them all and append its token
+    example = layer_example()
+    model = example.build_model(example.CPU_SIZE, torch.device("cpu"))
+    cache = example.random_cache(model, 64)
+    assert cache.get_seq_length() == 64
+    us, _, cache = example.measure(model, 1, lambda: cache, 1)
+    assert us > 0 and cache.get_seq_length() == 66  # the warm-up step and the timed one
 
 
 @pytest.mark.parametrize(

@@ -36,7 +36,9 @@ O(T * S * heads)), and the model's own causal mask stays as it was.
 
 Supported: ``DeepseekV32ForCausalLM`` / ``DeepseekV32Model`` (DeepSeek-V3.2), ``GlmMoeDsaForCausalLM`` /
 ``GlmMoeDsaModel`` (GLM-5) and ``Glm5NextForConditionalGeneration`` / ``Glm5NextModel`` / ``Glm5NextTextModel``
-(GLM-5.3-Flash; its linear-attention layers stay transformers'). Any other model raises ``NotImplementedError``.
+(GLM-5.3-Flash; its linear-attention layers stay transformers'), in transformers 5.17 and later (the models pass
+the cache as ``past_key_values`` before 5.24 and as ``cache`` from then on; the patched forward takes either). Any
+other model raises ``NotImplementedError``.
 Beam search works (the cache's rows are reordered). Not supported: static caches, ``torch.compile`` of the decode
 step and CUDA graphs (the pools grow by reallocation, a host-side decision, and the indexer's width follows the
 cached length).
@@ -394,7 +396,7 @@ def _dsa_attention_forward(
 ):
     """The DSA attention module's forward on the ops (bound to the module by :func:`patch_model`)."""
     spec: _Spec = self._sparse_dsa
-    cache = kwargs.pop("past_key_values", cache)
+    cache = kwargs.pop("past_key_values", cache)  # the cache's name in transformers before 5.24
     b, t, _ = hidden_states.shape
     heads, nope, rope, v_dim, lora = (
         self.num_heads,
