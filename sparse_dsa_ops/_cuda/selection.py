@@ -21,7 +21,9 @@ __all__ = ["bench_cases", "warmup_keys", "plan_topk", "scratch_bytes", "select",
 register_builder(builders.TopkKey, builders.build_topk_rows, builders.pass_configs)
 register_builder(builders.TopkSplitKey, builders.build_topk_split, builders.pass_configs)
 
-SPLIT_MIN_WIDTH = 8192  # rows narrower than this are one CTA's work however few they are
+# rows of at most this many columns are one CTA's work however few they are: one read into the CTA's list beats the
+# split's two launches and handoff (BENCHMARKS.md, design decisions)
+SPLIT_MAX_ROW = 8192
 SPLIT_MIN_CHUNK = 4096  # columns of a split CTA at least (its list is gathered from them)
 SPLIT_WAVES = 1  # split CTAs per SM the rows of a call aim at (one wave: measured faster than two at 4 and 64 rows)
 SPLIT_THREADS = 1024  # threads of a split CTA (measured 10-15% faster than 512 at 1, 4 and 64 rows)
@@ -45,7 +47,7 @@ class TopkPlan:
 
 def plan_topk(rows: int, width: int, sms: int) -> TopkPlan:
     """Split a row over CTAs when ``rows`` alone leave most of the ``sms`` SMs idle and the rows are long."""
-    if width < SPLIT_MIN_WIDTH or rows * SPLIT_WAVES >= sms:
+    if width <= SPLIT_MAX_ROW or rows * SPLIT_WAVES >= sms:
         return TopkPlan(1, width)
     chunks = max(1, min(SPLIT_WAVES * sms // max(rows, 1), -(-width // SPLIT_MIN_CHUNK), MAX_CHUNKS))
     return TopkPlan(chunks, builders.split_chunk(width, chunks)) if chunks > 1 else TopkPlan(1, width)
