@@ -234,16 +234,27 @@ def test_attention_layers_match_the_original(name, kv_cache, device):
         assert err < ATTN_TOL[kv_cache], f"layer {layer}: relative error {err:.3g}"
 
 
+# Greedy tokens may part where the original's two best logits are within this fraction of its largest: bf16 rounding
+# (2^-8 relative) of a random tiny model's near ties, which the GPU's other summation orders resolve either way
+NEAR_TIE = 1e-2
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", list(MODELS))
 def test_generate_gives_the_originals_greedy_tokens(name, device):
     original, patched = model_pair(name, "bf16", device)
     ids, mask = batch(device)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
-    want = original.generate(**kwargs)
+    want = original.generate(**kwargs, output_scores=True, return_dict_in_generate=True)
     got = patched.generate(**kwargs)
-    assert got.shape == want.shape == (2, SEQ + NEW_TOKENS)
-    assert torch.equal(got, want)
+    assert got.shape == want.sequences.shape == (2, SEQ + NEW_TOKENS)
+    for row in range(2):  # the same tokens, or the same until a step where the original's best two logits tie
+        differ = (got[row, SEQ:] != want.sequences[row, SEQ:]).nonzero()
+        if len(differ):
+            step = differ[0].item()
+            logits = want.scores[step][row].float()  # [vocab], the original's at the first differing step
+            gap = logits[want.sequences[row, SEQ + step]] - logits[got[row, SEQ + step]]
+            assert gap <= NEAR_TIE * logits.abs().max(), f"row {row}, step {step}: a logit gap of {gap:.3g}"
 
 
 @pytest.mark.parametrize("name", ["GlmMoeDsa", "Glm5Next"])
