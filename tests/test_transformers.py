@@ -234,9 +234,10 @@ def test_attention_layers_match_the_original(name, kv_cache, device):
         assert err < ATTN_TOL[kv_cache], f"layer {layer}: relative error {err:.3g}"
 
 
-# Greedy tokens may part where the original's two best logits are within this fraction of its largest: bf16 rounding
-# (2^-8 relative) of a random tiny model's near ties, which the GPU's other summation orders resolve either way
-NEAR_TIE = 1e-2
+# Greedy tokens may part where the original's two best logits are within this fraction of its largest: the attention's
+# bf16 error (ATTN_TOL) carried through the layers to a random tiny model's near ties, which the GPU's summation orders
+# may resolve either way (an H100 parted DeepSeek-V3.2's row at a gap of 1.5% of the largest logit)
+NEAR_TIE = 3e-2
 
 
 @pytest.mark.parametrize("device", DEVICES)
