@@ -25,8 +25,9 @@ Conventions of the results (those of FlashMLA's ``tests/ref.py``):
 Beyond FlashMLA:
 
 - any head count from 1 to 128 (FlashMLA: 64 or 128), any top-k width (padded inside with -1 to the ops' multiple
-  of 64; FlashMLA's Hopper prefill needs a multiple of 128), any value width ``d_v``;
-- every packed row geometry (``KCacheLayout``: d_nope any multiple of 128, d_rope any tail), not only 512 + 64;
+  of 64; FlashMLA's Hopper prefill needs a multiple of 128), a value width ``d_v`` of any multiple of 64;
+- every packed row geometry (``KCacheLayout``: d_nope any multiple of 128, d_rope 0 or a multiple of 16), not only
+  512 + 64;
   pools of dtype float8_e4m3fn, int8 or uint8;
 - every pool (``kv``, ``k_cache``) may have its rows and its pages any distance apart, independently, that is a
   whole number of rows or a multiple of 16 bytes: a per-layer view into a bigger buffer, or a slice of wider rows

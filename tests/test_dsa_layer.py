@@ -51,19 +51,9 @@ OUT_TOL = {"cpu": dict(max=2**-7, rms=2**-9), "cuda": dict(max=2**-5, rms=2**-6)
 
 
 def tiny(config, **changes):
-    """``config`` at CPU size: few heads and a small top-k, the real latent rows and indexer head dim."""
-    return replace(
-        config,
-        name=f"{config.name}-tiny",
-        hidden=256,
-        heads=4,
-        q_lora=128,
-        qk_nope=32,
-        v_head=32,
-        index_heads=4,
-        index_topk=48,
-        **changes,
-    )
+    """``config`` at the example's CPU size (few heads and a small top-k, the real latent rows and indexer head dim),
+    with ``changes``."""
+    return replace(L.cpu_size(config), **changes)
 
 
 CONFIGS_PUBLIC = [L.DEEPSEEK_V32, L.GLM_5, L.GLM_53_FLASH]
