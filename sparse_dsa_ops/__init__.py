@@ -44,6 +44,7 @@ def warmup(
     index_page: int = 64,
     topk_k: int | None = None,
     kpool: int | None = None,
+    kpool_dtypes: tuple[tuple[str, str], ...] = (("bfloat16", "bfloat16"),),
     progress: bool = True,
     workers: int = 8,
 ) -> None:
@@ -61,8 +62,9 @@ def warmup(
     kernels.
     ``index_heads`` (with ``index_dim`` and the index-K cache's ``index_page``) adds the indexer's kernels, and
     ``topk_k`` the top-k kernels of that k (``index_topk`` runs kernels of both); ``kpool`` (GLM-5.3-Flash: 16)
-    adds the k-pool ops' kernels, the pool selection's of ``topk_k // kpool`` pools. ``workers`` threads build
-    kernels at once.
+    adds the k-pool ops' kernels, the pool selection's of ``topk_k // kpool`` pools, and the pool store's for each
+    ``(gate, ape)`` dtype pair of ``kpool_dtypes`` ("bfloat16" or "float32"). ``workers`` threads build kernels at
+    once.
     """
     from . import _cuda
 
@@ -83,6 +85,7 @@ def warmup(
         index_page,
         topk_k,
         kpool,
+        tuple(tuple(pair) for pair in kpool_dtypes),
     )
     keys = [key for family in ops.FAMILIES for key in family.gpu().warmup_keys_of(spec)]
     _cuda.warmup(list(dict.fromkeys(keys)), workers=workers, progress=progress)

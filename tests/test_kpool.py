@@ -1151,3 +1151,18 @@ def test_cuda_store_kernel_graph_replay(warm_store):
         dsa.kpool_store_index_k(*fresh[:3], want, fresh[3])  # the same step, eagerly
         graph.replay()
         assert torch.equal(got, want)
+
+
+def test_warmup_compiles_the_pool_store_of_each_dtype_pair(monkeypatch):
+    # warmup(kpool=...) names the store kernels of the (gate, ape) dtypes the caller will pass, and the pool
+    # selection's kernels of topk_k // kpool pools
+    from sparse_dsa_ops import _cuda
+
+    compiled = []
+    monkeypatch.setattr(_cuda.attention, "warmup_keys_of", lambda spec: [])  # (attention's plan needs a GPU)
+    monkeypatch.setattr(_cuda, "warmup", lambda keys, **kwargs: compiled.extend(keys))
+    pairs = (("float32", "bfloat16"), ("bfloat16", "bfloat16"))
+    dsa.warmup(heads=8, d_nope=512, d_rope=0, sm_scale=0.1, cache_ops=False, topk_k=2048, kpool=16, kpool_dtypes=pairs)
+    stores = {(k.gate_dtype, k.ape_dtype) for k in compiled if type(k).__name__ == "KpoolStoreKey"}
+    assert stores == set(pairs)
+    assert any(getattr(k, "k", None) == 2048 // 16 for k in compiled)

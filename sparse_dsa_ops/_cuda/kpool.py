@@ -193,9 +193,11 @@ def bench_cases() -> list[dict]:
 
 def warmup_keys_of(spec) -> list:
     """The k-pool ops' kernels :func:`sparse_dsa_ops.warmup` compiles for ``spec`` (a ``WarmupSpec``): none without
-    ``kpool``; the store's for pools of ``kpool`` tokens with bfloat16 gate and ape (the spec names no dtypes), and
-    the pool selection's of ``topk_k // kpool`` pools."""
+    ``kpool``; the store's for pools of ``kpool`` tokens for each (gate, ape) dtype pair of ``kpool_dtypes``, and the
+    pool selection's of ``topk_k // kpool`` pools."""
     if not spec.kpool:
         return []
     pools = spec.topk_k // spec.kpool if spec.topk_k else None
-    return warmup_keys(pools, spec.index_dim, spec.index_page, spec.round_scale, spec.slot_dtypes, spec.kpool)
+    return warmup_keys(
+        pools, spec.index_dim, spec.index_page, spec.round_scale, spec.slot_dtypes, spec.kpool, spec.kpool_dtypes
+    )

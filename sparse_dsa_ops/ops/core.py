@@ -84,6 +84,7 @@ class WarmupSpec:
     index_page: int = 64
     topk_k: int | None = None
     kpool: int | None = None
+    kpool_dtypes: tuple[tuple[str, str], ...] = (("bfloat16", "bfloat16"),)  # (gate, ape) dtypes of the pool store
 
 
 @dataclass(frozen=True)
