@@ -67,9 +67,8 @@ def _lane_macros(plan: WsPlan, dims) -> SimpleNamespace:
         """cp.async of ``nbytes`` from ``src`` to ``dst`` (zeros where ``pred`` is false), out of sight of
         TileLang's barrier planner (``T.address_of``; the in-place producer, see there). The whole-stage
         bf16 and the staged producers keep ``T.ptx_cp_async`` and the barriers TileLang adds: through
-        this helper they ran no faster or slower (GLM bf16 prefill 460 -> 450, GLM packed 319 -> 307
-        TFLOPS; BENCHMARKS.md). The halves producer (``fill_half``) uses it: TileLang
-        put four producer-wide barriers in every half there."""
+        this helper they ran no faster (a little slower, if anything). The halves producer (``fill_half``) uses
+        it: TileLang put four producer-wide barriers in every half there."""
         return T.call_extern("handle", f"dsa_cp_async<{nbytes}>", T.address_of(dst), T.address_of(src), pred)
 
     def widen(raw_v, dst_l, dst_r, sc, p, j, lane, off=0):
