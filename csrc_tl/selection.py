@@ -73,6 +73,7 @@ LOW_BINS = 1 << MID_BITS  # bins of the second and third digits (both 10 bits)
 LOW_MASK = LOW_BINS - 1
 COUNT_BITS = 16  # an in-order pass sums (greater, equal) counts of a tile packed into one int32
 COUNT_MASK = (1 << COUNT_BITS) - 1
+BITMAP_COLS = 32 * FIRST_BINS  # candidates of a row whose selection can leave through a bitmap in the histogram
 COUNTERS = FIRST_BINS + 1  # int32 counters of a row in the split scheme: the top-digit histogram, then a ticket
 ROW_STATE = 4  # int32 words of a row's state in the split scheme: top digit, keys above it, its count, spare
 # Key bits (order_key).
@@ -104,13 +105,14 @@ class TopkKey:
     threads: int = 512
     vec: int = 4
     cap: int = 8192
+    bitmap: bool = True
 
     def __post_init__(self):
         _check_key(self)
 
     @property
     def name(self) -> str:
-        return f"topk_rows_{_spec_name(self)}"
+        return f"topk_rows_{_spec_name(self)}" + ("" if self.bitmap else "_ordered")
 
 
 @dataclass(frozen=True)
@@ -443,7 +445,31 @@ def _logit_macros(sizes: _Sizes, scans: SimpleNamespace) -> SimpleNamespace:
             found[0] = found[0] + tile_total[0]
         T.sync_threads()
 
-    return SimpleNamespace(zero=zero, load_tile=load_tile, hist_first=hist_first, collect=collect)
+    @T.macro
+    def collect_any(logits, row, lo, hi, thr, lkey, lcol, state):
+        """Write the keys and columns of the candidates of ``[lo, hi)`` with ``key >= thr`` to ``lkey`` and ``lcol``
+        (shared lists) in any order, each at the slot a shared-memory atomic on ``state[TICKET]`` (zeroed) hands it;
+        the caller knows their count (at most the lists' length). No barrier: unlike :func:`collect`, no tile
+        waits for the others' counts."""
+        tx = T.get_thread_binding()
+        raw = T.alloc_local((vec,), T.float32)
+        nxt = T.alloc_local((vec,), T.float32)
+        kv = T.alloc_local((vec,), T.uint32)
+        at = T.alloc_local((1,), T.int32)
+        load_tile(logits, row, lo, hi, nxt)
+        for it in T.serial(T.ceildiv(hi - lo, tile)):
+            for j in T.unroll(vec):
+                raw[j] = nxt[j]
+            load_tile(logits, row, lo + (it + 1) * tile, hi, nxt)
+            for j in T.unroll(vec):
+                kv[j] = order_key(raw[j])
+            for j in T.unroll(vec):
+                if lo + it * tile + j * threads + tx < hi and kv[j] >= thr:
+                    at[0] = T.min(T.atomic_add(state[TICKET], 1, return_prev=True), sizes.cap - 1)
+                    lkey[at[0]] = kv[j]
+                    lcol[at[0]] = lo + it * tile + j * threads + tx
+
+    return SimpleNamespace(zero=zero, load_tile=load_tile, hist_first=hist_first, collect=collect, collect_any=collect_any)
 
 
 def _source_macros(sizes: _Sizes, scans: SimpleNamespace) -> SimpleNamespace:
@@ -538,6 +564,7 @@ def _output_macros(sizes: _Sizes, scans, logit_passes, sources) -> SimpleNamespa
     ``whole_row`` (a row that fits the list), ``copy_row`` (a row of at most K candidates) and ``pad``."""
     threads, vec, tile, k, cap, out_width = sizes.threads, sizes.vec, sizes.tile, sizes.k, sizes.cap, sizes.out_width
     zero, load_tile, select_digit = logit_passes.zero, logit_passes.load_tile, scans.select_digit
+    block_scan, source_tile = scans.block_scan, sources.source_tile
     hist_digit, compact, slot_of = sources.hist_digit, sources.compact, sources.slot_of
 
     def shared_macro(with_offs: bool):
@@ -556,11 +583,61 @@ def _output_macros(sizes: _Sizes, scans, logit_passes, sources) -> SimpleNamespa
         return shared
 
     @T.macro
-    def finish(use_list, count, top, above, row, shared):
+    def emit_bitmap(src, tau):
+        """The output pass of an unordered list whose every key >= ``tau`` is selected: each such entry sets the bit
+        of its column (relative to ``row.lo``) in a bitmap in ``hist``, then each thread writes the set bits of
+        its consecutive words at their block-wide rank, so the positions come out ascending without a sort.
+        Needs ``row.hi - row.lo <= BITMAP_COLS``. Ends at a barrier."""
+        tx = T.get_thread_binding()
+        per = FIRST_BINS // threads  # bitmap words a thread owns, consecutive
+        kv = T.alloc_local((vec,), T.uint32)
+        col = T.alloc_local((vec,), T.int32)
+        valid = T.alloc_local((vec,), T.int32)
+        mine = T.alloc_local((1,), T.int32)
+        excl = T.alloc_local((1,), T.int32)
+        total = T.alloc_local((1,), T.int32)
+        bits = T.alloc_local((1,), T.uint32)
+        at = T.alloc_local((1,), T.int32)
+        hist = src.shared.hist
+        zero(hist, FIRST_BINS)
+        T.sync_threads()
+        for it in T.serial(T.ceildiv(src.count, tile)):
+            source_tile(src, it, kv, col, valid)
+            for j in T.unroll(vec):
+                if valid[j] == 1 and kv[j] >= tau:
+                    # (atomicOr itself: TileLang's AtomicOr is a global-memory reduction)
+                    T.call_extern(
+                        T.int32,
+                        "atomicOr",
+                        T.address_of(hist[(col[j] - src.row.lo) >> 5]),
+                        T.int32(1) << ((col[j] - src.row.lo) & 31),
+                    )
+        T.sync_threads()
+        mine[0] = 0
+        for i in T.unroll(per):
+            mine[0] = mine[0] + _popc(hist[tx * per + i])
+        block_scan(mine, excl, total, src.shared.sums)
+        at[0] = excl[0]
+        for i in T.unroll(per):
+            bits[0] = T.reinterpret(hist[tx * per + i], T.uint32)
+            for _ in T.serial(_popc(hist[tx * per + i])):
+                src.row.out[src.row.row, T.min(at[0], k - 1)] = slot_of(
+                    src.row.lo + (tx * per + i) * 32 + _ffs(bits[0]) - 1 - src.row.start,
+                    *src.row.paging,
+                )
+                bits[0] = bits[0] & (bits[0] - T.uint32(1))
+                at[0] = at[0] + 1
+        T.sync_threads()
+
+    @T.macro
+    def finish(use_list, count, top, above, row, shared, unordered=None):
         """Given the top digit ``top`` of the K-th largest key and the count ``above`` of keys of a larger top
         digit, find the last two digits over the :class:`_Source` ``(use_list, count, row, shared)`` (the list of
         ``count`` entries where ``use_list`` is nonzero) and write the selection of ``row`` (a :class:`_Row`) to its
-        ``out[row, :k]``. Starts after a barrier, ends at one."""
+        ``out[row, :k]``. Where ``unordered[0]`` (a thread-invariant int32) is nonzero the list is in no order
+        (:func:`_logit_macros`' ``collect_any``, a row of at most :data:`BITMAP_COLS` candidates): the selection goes
+        out through a bitmap of its columns (``emit_bitmap``), or where ties at the threshold are cut, from the
+        row in column order. Starts after a barrier, ends at one."""
         src = _Source(use_list, count, row, shared)
         need = T.alloc_local((1,), T.int32)
         prefix = T.alloc_local((1,), T.uint32)
@@ -582,7 +659,14 @@ def _output_macros(sizes: _Sizes, scans, logit_passes, sources) -> SimpleNamespa
         select_digit(shared.hist, LOW_BINS, need[0], shared.state, shared.sums)
         tau[0] = (prefix[0] << LOW_BITS) | T.cast(shared.state[DIGIT], T.uint32)
         need[0] = need[0] - shared.state[ABOVE]  # the keys equal to tau that are taken
-        compact(src, tau[0], need[0])
+        if unordered is None:
+            compact(src, tau[0], need[0])
+        elif unordered[0] == 0:
+            compact(src, tau[0], need[0])
+        elif shared.state[COUNT] == need[0]:  # every key equal to tau is taken: the set is known, not its order
+            emit_bitmap(src, tau[0])
+        else:  # ties at tau cut by position: in column order from the row
+            compact(_Source(0, count, row, shared), tau[0], need[0])
 
     @T.macro
     def whole_row(row, n, shared):
@@ -689,6 +773,8 @@ def _rows_stage(key: TopkKey, parts: SimpleNamespace, dims: "_Dims"):
             found = T.alloc_local((1,), T.int32)
             req = T.alloc_local((1,), T.int32)
             use_list = T.alloc_local((1,), T.int32)
+            unordered = T.alloc_local((1,), T.int32)  # the list was gathered in no order (collect_any)
+            unordered[0] = 0
             row = T.cast(bx, T.int64)
             _row_bounds(lengths, starts, bx, width, bounds)
             start, lo, hi = bounds[0], bounds[1], bounds[2]
@@ -712,7 +798,13 @@ def _rows_stage(key: TopkKey, parts: SimpleNamespace, dims: "_Dims"):
                     top[0] = shared.state[DIGIT]
                     top[1] = shared.state[ABOVE]
                     top[2] = shared.state[ABOVE] + shared.state[COUNT]
-                    if top[2] <= cap:
+                    unordered[0] = T.Select((top[2] <= cap) & (hi - lo <= BITMAP_COLS), 1 if key.bitmap else 0, 0)
+                    if unordered[0] == 1:
+                        shared.state[TICKET] = 0  # (a word select_digit leaves alone) counts the list
+                        T.sync_threads()
+                        thr = T.cast(top[0], T.uint32) << FIRST_SHIFT
+                        parts.collect_any(logits, row, lo, hi, thr, shared.lkey, shared.lcol, shared.state)
+                    elif top[2] <= cap:
                         parts.collect(
                             logits,
                             row,
@@ -728,7 +820,7 @@ def _rows_stage(key: TopkKey, parts: SimpleNamespace, dims: "_Dims"):
                         )
                 T.sync_threads()  # state is read
                 use_list[0] = T.Select(top[2] <= cap, 1, 0)
-                parts.finish(use_list[0], top[2], top[0], top[1], this_row, shared)
+                parts.finish(use_list[0], top[2], top[0], top[1], this_row, shared, unordered)
                 parts.pad(out, row)
 
     return select_rows
@@ -782,6 +874,16 @@ def _rows_entry(select_rows, key: TopkKey, dims: "_Dims"):
             select_rows(logits, lengths, starts, page_table, row_request, out)
 
     return topk_rows
+
+
+def _popc(word):
+    """The set bits of a 32-bit word (``__popc``, on CUDA and HIP)."""
+    return T.call_extern(T.int32, "__popc", T.reinterpret(word, T.uint32))
+
+
+def _ffs(word):
+    """One plus the index of the lowest set bit of a 32-bit word, 0 for none (``__ffs``, on CUDA and HIP)."""
+    return T.call_extern(T.int32, "__ffs", T.reinterpret(word, T.int32))
 
 
 @T.macro

@@ -350,7 +350,9 @@ def warm():
 def large_case(gen, rows, width, k, ties=False, paged=False):
     logits = torch.randn(rows, width, generator=gen)
     if ties:
-        logits = (logits * 2).round()  # a handful of values: ties at every cut
+        # True: a handful of values, ties at every cut; a number n: steps of 1 / n, a few equal values at the cut
+        steps = 2 if ties is True else ties
+        logits = (logits * steps).round() / steps
     logits[0, :: max(1, width // 100)] = NAN
     lengths = torch.randint(0, width + 1, (rows,), generator=gen, dtype=torch.int32)
     lengths[0] = width
@@ -369,6 +371,12 @@ LARGE = {
     "8-rows-65536-k4096": (8, 65536, 4096, False, False),
     "16-rows-32768-paged": (16, 32768, 2048, False, True),
     "300-rows-8192-k1": (300, 8192, 1, True, False),
+    # a CTA a row (rows >= the SMs), the list gathered in no order and written through the column bitmap
+    "140-rows-131072": (140, 131072, 2048, False, False),
+    "140-rows-131072-fine-ties": (140, 131072, 2048, 64, False),
+    "140-rows-65536-paged": (140, 65536, 2048, False, True),
+    # wider than the bitmap: the list gathered in column order
+    "140-rows-140000": (140, 140000, 2048, False, False),
 }
 
 

@@ -149,6 +149,9 @@ static __device__ __forceinline__ T atomicCAS(T *address, T compare, T val) {
 #define NAN (__builtin_nanf(""))
 #endif
 
+static __device__ __forceinline__ int __popc(unsigned int x) { return __builtin_popcount(x); }
+static __device__ __forceinline__ int __ffs(int x) { return __builtin_ffs(x); }
+
 static __device__ __forceinline__ float __int_as_float(int x) { return __builtin_bit_cast(float, x); }
 static __device__ __forceinline__ int __float_as_int(float x) { return __builtin_bit_cast(int, x); }
 static __device__ __forceinline__ float __uint_as_float(unsigned int x) { return __builtin_bit_cast(float, x); }
