@@ -21,10 +21,18 @@ and ties go to the lower position. Integer histograms and prefix sums give the s
 floating-point value is ever compared or summed.
 
 Where the candidates of the threshold's top digit and above (the *list*) fit in shared memory (``key.cap``
-entries), the row is read twice: one histogram pass, then one in-order pass that gathers the list (keys and
-columns), on which the last two digits and the output pass run in shared memory. Rows of at most ``cap``
-candidates are read once, straight into the list. Rows of at most K candidates are copied. Otherwise (a huge
-threshold bin: e.g. many equal logits) the last passes read the row again: slower, never inexact.
+entries), the row is read twice: one histogram pass, then one pass that gathers the list (keys and columns), on
+which the last two digits and the output pass run in shared memory. Rows of at most ``cap`` candidates are read
+once, straight into the list. Rows of at most K candidates are copied. Otherwise (a huge threshold bin: e.g. many
+equal logits) the last passes read the row again: slower, never inexact.
+
+The one-CTA-per-row kernel gathers the list of a row of at most :data:`BITMAP_COLS` candidates in no order: each
+candidate takes its slot from a shared-memory atomic counter, so no tile of the pass waits for the others' counts
+(the in-order gather needs two barriers a tile). The digits are order-free counts; the output then knows the set,
+not its order: where every key equal to ``tau`` is taken (``take`` equals their count: always, for distinct
+logits), each selected entry sets its column's bit in a bitmap held in the (then free) histogram, and one
+block-wide prefix sum of the words' bit counts places each set bit, ascending. Where ties at ``tau`` are cut, the
+output pass reads the row again in column order, which puts the first ``take`` of them out, as always.
 
 Two schemes:
 
@@ -105,14 +113,13 @@ class TopkKey:
     threads: int = 512
     vec: int = 4
     cap: int = 8192
-    bitmap: bool = True
 
     def __post_init__(self):
         _check_key(self)
 
     @property
     def name(self) -> str:
-        return f"topk_rows_{_spec_name(self)}" + ("" if self.bitmap else "_ordered")
+        return f"topk_rows_{_spec_name(self)}"
 
 
 @dataclass(frozen=True)
@@ -798,7 +805,7 @@ def _rows_stage(key: TopkKey, parts: SimpleNamespace, dims: "_Dims"):
                     top[0] = shared.state[DIGIT]
                     top[1] = shared.state[ABOVE]
                     top[2] = shared.state[ABOVE] + shared.state[COUNT]
-                    unordered[0] = T.Select((top[2] <= cap) & (hi - lo <= BITMAP_COLS), 1 if key.bitmap else 0, 0)
+                    unordered[0] = T.Select((top[2] <= cap) & (hi - lo <= BITMAP_COLS), 1, 0)
                     if unordered[0] == 1:
                         shared.state[TICKET] = 0  # (a word select_digit leaves alone) counts the list
                         T.sync_threads()

@@ -106,6 +106,11 @@ def test_kernels_lower(key, target):
     if key.name.startswith("topk_split"):
         # the row's last CTA reads the other CTAs' writes only after a ticket and a device-scope fence
         assert "__threadfence()" in src and "AtomicAddRet" in src and "AtomicLoad" in src
+    else:
+        # the list gathered in any order (a shared-memory ticket per entry) and put out through the column bitmap:
+        # atomicOr on a generic address, which shared memory takes (TileLang's AtomicOr is a global reduction)
+        assert "AtomicAddRet((&(((int*)state)" in src and "AtomicOr(" not in src
+        assert re.search(r"\batomicOr\(\(&\(\(\(int\*\)hist\)", src) and "__popc(" in src and "__ffs(" in src
 
 
 def _sweep():
