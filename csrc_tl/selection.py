@@ -81,6 +81,7 @@ LOW_BINS = 1 << MID_BITS  # bins of the second and third digits (both 10 bits)
 LOW_MASK = LOW_BINS - 1
 COUNT_BITS = 16  # an in-order pass sums (greater, equal) counts of a tile packed into one int32
 COUNT_MASK = (1 << COUNT_BITS) - 1
+SAMPLE_STEP = 128  # columns between the samples that guess a long row's threshold (one in 16 of its sectors)
 BITMAP_COLS = 32 * FIRST_BINS  # candidates of a row whose selection can leave through a bitmap in the histogram
 COUNTERS = FIRST_BINS + 1  # int32 counters of a row in the split scheme: the top-digit histogram, then a ticket
 ROW_STATE = 4  # int32 words of a row's state in the split scheme: top digit, keys above it, its count, spare
@@ -453,11 +454,21 @@ def _logit_macros(sizes: _Sizes, scans: SimpleNamespace) -> SimpleNamespace:
         T.sync_threads()
 
     @T.macro
+    def hist_sample(logits, row, lo, count, hist):
+        """Histogram the top digit of the keys of ``count`` sample columns of ``row``, ``lo + i * SAMPLE_STEP``,
+        into ``hist`` (shared, zeroed). No barrier."""
+        tx = T.get_thread_binding()
+        for i in T.serial(T.ceildiv(count, threads)):
+            if i * threads + tx < count:
+                raw = logits[row, lo + (i * threads + tx) * SAMPLE_STEP]
+                T.atomic_add(hist[T.cast(order_key(raw) >> FIRST_SHIFT, T.int32)], 1)
+
+    @T.macro
     def collect_any(logits, row, lo, hi, thr, lkey, lcol, state):
         """Write the keys and columns of the candidates of ``[lo, hi)`` with ``key >= thr`` to ``lkey`` and ``lcol``
         (shared lists) in any order, each at the slot a shared-memory atomic on ``state[TICKET]`` (zeroed) hands it;
-        the caller knows their count (at most the lists' length). No barrier: unlike :func:`collect`, no tile
-        waits for the others' counts."""
+        ``state[TICKET]`` ends as their count, those past the lists' length left out. No barrier: unlike
+        :func:`collect`, no tile waits for the others' counts."""
         tx = T.get_thread_binding()
         raw = T.alloc_local((vec,), T.float32)
         nxt = T.alloc_local((vec,), T.float32)
@@ -472,11 +483,14 @@ def _logit_macros(sizes: _Sizes, scans: SimpleNamespace) -> SimpleNamespace:
                 kv[j] = order_key(raw[j])
             for j in T.unroll(vec):
                 if lo + it * tile + j * threads + tx < hi and kv[j] >= thr:
-                    at[0] = T.min(T.atomic_add(state[TICKET], 1, return_prev=True), sizes.cap - 1)
-                    lkey[at[0]] = kv[j]
-                    lcol[at[0]] = lo + it * tile + j * threads + tx
+                    at[0] = T.atomic_add(state[TICKET], 1, return_prev=True)
+                    if at[0] < sizes.cap:
+                        lkey[at[0]] = kv[j]
+                        lcol[at[0]] = lo + it * tile + j * threads + tx
 
-    return SimpleNamespace(zero=zero, load_tile=load_tile, hist_first=hist_first, collect=collect, collect_any=collect_any)
+    return SimpleNamespace(
+        zero=zero, load_tile=load_tile, hist_first=hist_first, collect=collect, hist_sample=hist_sample, collect_any=collect_any
+    )
 
 
 def _source_macros(sizes: _Sizes, scans: SimpleNamespace) -> SimpleNamespace:
@@ -697,6 +711,75 @@ def _output_macros(sizes: _Sizes, scans, logit_passes, sources) -> SimpleNamespa
         select_digit(shared.hist, FIRST_BINS, k, shared.state, shared.sums)
 
     @T.macro
+    def list_top(shared, count):
+        """Histogram the top digit of the list's ``count`` keys into ``shared.hist`` (zeroed). No barrier."""
+        tx = T.get_thread_binding()
+        for i in T.serial(T.ceildiv(count, threads)):
+            if i * threads + tx < count:
+                T.atomic_add(shared.hist[T.cast(shared.lkey[i * threads + tx] >> FIRST_SHIFT, T.int32)], 1)
+
+    # keys at or above the guessed threshold a guess aims at: twice k (k + 1024 at least), short of the list
+    guess_target = min(max(2 * k, k + 1024), (k + cap) // 2)
+
+    @T.macro
+    def guess_list(row, shared, top):
+        """One read of a row of more than ``cap`` and at most :data:`BITMAP_COLS` candidates, on a guess: the top
+        digit of the ``guess_target``-th largest of its samples (one column in :data:`SAMPLE_STEP`) as the
+        threshold, every candidate at or above it gathered into the list in any order. The guess holds where they
+        are k or more (the k-th largest key is then at or above it) and fit the list: then ``top`` is the top
+        digit of the k-th largest, the keys above it and the list's length, as the histogram of the whole row
+        would give them, and ``top[2] <= cap``; else ``top[2]`` is above ``cap``. Ends at a barrier."""
+        n = row.hi - row.lo
+        samples = n // SAMPLE_STEP
+        zero(shared.hist, FIRST_BINS)
+        shared.state[TICKET] = 0  # (a word select_digit leaves alone) counts the list
+        T.sync_threads()
+        logit_passes.hist_sample(row.logits, row.row, row.lo, samples, shared.hist)
+        T.sync_threads()
+        # (int64: samples * guess_target outgrows int32 past 2^31 / 2^13 * 128 columns)
+        rank = T.cast(T.ceildiv(T.cast(samples, T.int64) * guess_target, T.cast(n, T.int64)), T.int32)
+        select_digit(shared.hist, FIRST_BINS, T.max(T.min(rank, samples), 1), shared.state, shared.sums)
+        thr = T.cast(shared.state[DIGIT], T.uint32) << FIRST_SHIFT
+        logit_passes.collect_any(row.logits, row.row, row.lo, row.hi, thr, shared.lkey, shared.lcol, shared.state)
+        T.sync_threads()
+        top[2] = shared.state[TICKET]
+        if (top[2] >= k) & (top[2] <= cap):
+            zero(shared.hist, FIRST_BINS)
+            T.sync_threads()
+            list_top(shared, top[2])
+            T.sync_threads()
+            select_digit(shared.hist, FIRST_BINS, k, shared.state, shared.sums)
+            top[0] = shared.state[DIGIT]
+            top[1] = shared.state[ABOVE]
+        else:
+            top[2] = cap + 1
+
+    @T.macro
+    def two_reads(row, shared, top, unordered, found):
+        """A row of more than ``cap`` candidates read twice: the top digit's histogram, then the list (in any order
+        where ``row`` has at most :data:`BITMAP_COLS` candidates: ``unordered[0] = 1``; else in column order) where
+        it fits. ``top`` as :func:`guess_list` leaves it; ``top[2] > cap``: the list does not fit. Ends without a
+        barrier."""
+        zero(shared.hist, FIRST_BINS)
+        T.sync_threads()
+        logit_passes.hist_first(row.logits, row.row, row.lo, row.hi, shared.hist)
+        T.sync_threads()
+        select_digit(shared.hist, FIRST_BINS, k, shared.state, shared.sums)
+        top[0] = shared.state[DIGIT]
+        top[1] = shared.state[ABOVE]
+        top[2] = shared.state[ABOVE] + shared.state[COUNT]
+        thr = T.cast(top[0], T.uint32) << FIRST_SHIFT
+        unordered[0] = T.Select((top[2] <= cap) & (row.hi - row.lo <= BITMAP_COLS), 1, 0)
+        if unordered[0] == 1:
+            shared.state[TICKET] = 0
+            T.sync_threads()
+            logit_passes.collect_any(row.logits, row.row, row.lo, row.hi, thr, shared.lkey, shared.lcol, shared.state)
+        elif top[2] <= cap:
+            logit_passes.collect(
+                row.logits, row.row, row.lo, row.hi, thr, shared.lkey, shared.lcol, None, cap, shared.cnt, found
+            )
+
+    @T.macro
     def copy_row(row, n):
         """A row of ``n <= k`` candidates from column ``row.lo``: all of them, then -1 (the whole output row)."""
         tx = T.get_thread_binding()
@@ -720,6 +803,8 @@ def _output_macros(sizes: _Sizes, scans, logit_passes, sources) -> SimpleNamespa
         split_shared=shared_macro(True),
         finish=finish,
         whole_row=whole_row,
+        guess_list=guess_list,
+        two_reads=two_reads,
         copy_row=copy_row,
         pad=pad,
     )
@@ -797,34 +882,12 @@ def _rows_stage(key: TopkKey, parts: SimpleNamespace, dims: "_Dims"):
                     top[1] = shared.state[ABOVE]
                     top[2] = hi - lo
                 else:
-                    parts.zero(shared.hist, FIRST_BINS)
-                    T.sync_threads()
-                    parts.hist_first(logits, row, lo, hi, shared.hist)
-                    T.sync_threads()
-                    parts.select_digit(shared.hist, FIRST_BINS, k, shared.state, shared.sums)
-                    top[0] = shared.state[DIGIT]
-                    top[1] = shared.state[ABOVE]
-                    top[2] = shared.state[ABOVE] + shared.state[COUNT]
-                    unordered[0] = T.Select((top[2] <= cap) & (hi - lo <= BITMAP_COLS), 1, 0)
-                    if unordered[0] == 1:
-                        shared.state[TICKET] = 0  # (a word select_digit leaves alone) counts the list
-                        T.sync_threads()
-                        thr = T.cast(top[0], T.uint32) << FIRST_SHIFT
-                        parts.collect_any(logits, row, lo, hi, thr, shared.lkey, shared.lcol, shared.state)
-                    elif top[2] <= cap:
-                        parts.collect(
-                            logits,
-                            row,
-                            lo,
-                            hi,
-                            T.cast(top[0], T.uint32) << FIRST_SHIFT,
-                            shared.lkey,
-                            shared.lcol,
-                            None,
-                            cap,
-                            shared.cnt,
-                            found,
-                        )
+                    top[2] = cap + 1
+                    if hi - lo <= BITMAP_COLS:
+                        parts.guess_list(this_row, shared, top)
+                        unordered[0] = 1
+                    if top[2] > cap:
+                        parts.two_reads(this_row, shared, top, unordered, found)
                 T.sync_threads()  # state is read
                 use_list[0] = T.Select(top[2] <= cap, 1, 0)
                 parts.finish(use_list[0], top[2], top[0], top[1], this_row, shared, unordered)
