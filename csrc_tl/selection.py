@@ -26,9 +26,15 @@ which the last two digits and the output pass run in shared memory. Rows of at m
 once, straight into the list. Rows of at most K candidates are copied. Otherwise (a huge threshold bin: e.g. many
 equal logits) the last passes read the row again: slower, never inexact.
 
-The one-CTA-per-row kernel gathers the list of a row of at most :data:`BITMAP_COLS` candidates in no order: each
-candidate takes its slot from a shared-memory atomic counter, so no tile of the pass waits for the others' counts
-(the in-order gather needs two barriers a tile). The digits are order-free counts; the output then knows the set,
+The one-CTA-per-row kernel reads a longer row of at most :data:`BITMAP_COLS` candidates once where it can: it
+histograms the top digit of a sample (one column in :data:`SAMPLE_STEP`), takes the top digit of the sample key
+whose rank scales to about twice k as a guessed threshold, and gathers every candidate at or above it into the
+list. Where they are k or more (so the k-th largest key is among them) and fit the list, the list holds every
+candidate at or above the k-th largest key's whole top-digit bin (the guess is a bin's floor), so its own
+histogram gives the same top digit, and the same counts above it, as the row's: the selection finishes on the
+list. Otherwise the row is read twice as above. Either way the list is gathered in no order: each candidate takes
+its slot from a shared-memory atomic counter, so no tile of the pass waits for the others' counts (the in-order
+gather needs two barriers a tile). The digits are order-free counts; the output then knows the set,
 not its order: where every key equal to ``tau`` is taken (``take`` equals their count: always, for distinct
 logits), each selected entry sets its column's bit in a bitmap held in the (then free) histogram, and one
 block-wide prefix sum of the words' bit counts places each set bit, ascending. Where ties at ``tau`` are cut, the
@@ -731,14 +737,16 @@ def _output_macros(sizes: _Sizes, scans, logit_passes, sources) -> SimpleNamespa
         would give them, and ``top[2] <= cap``; else ``top[2]`` is above ``cap``. Ends at a barrier."""
         n = row.hi - row.lo
         samples = n // SAMPLE_STEP
+        rank = T.alloc_local((1,), T.int32)
         zero(shared.hist, FIRST_BINS)
         shared.state[TICKET] = 0  # (a word select_digit leaves alone) counts the list
         T.sync_threads()
         logit_passes.hist_sample(row.logits, row.row, row.lo, samples, shared.hist)
         T.sync_threads()
         # (int64: samples * guess_target outgrows int32 past 2^31 / 2^13 * 128 columns)
-        rank = T.cast(T.ceildiv(T.cast(samples, T.int64) * guess_target, T.cast(n, T.int64)), T.int32)
-        select_digit(shared.hist, FIRST_BINS, T.max(T.min(rank, samples), 1), shared.state, shared.sums)
+        rank[0] = T.cast((T.cast(samples, T.int64) * guess_target + n - 1) // n, T.int32)
+        rank[0] = T.max(T.min(rank[0], samples), 1)
+        select_digit(shared.hist, FIRST_BINS, rank[0], shared.state, shared.sums)
         thr = T.cast(shared.state[DIGIT], T.uint32) << FIRST_SHIFT
         logit_passes.collect_any(row.logits, row.row, row.lo, row.hi, thr, shared.lkey, shared.lcol, shared.state)
         T.sync_threads()

@@ -371,10 +371,13 @@ LARGE = {
     "8-rows-65536-k4096": (8, 65536, 4096, False, False),
     "16-rows-32768-paged": (16, 32768, 2048, False, True),
     "300-rows-8192-k1": (300, 8192, 1, True, False),
-    # a CTA a row (rows >= the SMs), the list gathered in no order and written through the column bitmap
+    # a CTA a row (rows >= the SMs): a long row read once on a guessed threshold, the list gathered in no order and
+    # written through the column bitmap
     "140-rows-131072": (140, 131072, 2048, False, False),
     "140-rows-131072-fine-ties": (140, 131072, 2048, 64, False),
     "140-rows-65536-paged": (140, 65536, 2048, False, True),
+    # a handful of values: the guessed threshold's bin overflows the list, and so does the histogram's
+    "140-rows-65536-ties": (140, 65536, 2048, True, False),
     # wider than the bitmap: the list gathered in column order
     "140-rows-140000": (140, 140000, 2048, False, False),
 }
