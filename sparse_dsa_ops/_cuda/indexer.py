@@ -223,6 +223,9 @@ def _gen():
     return torch.Generator(device="cuda").manual_seed(0)
 
 
+INDEX_TOPK_K = 2048  # the bench's index_topk selection (every model's top-k)
+
+
 def _fp8(shape, gen):
     return (torch.randn(shape, device="cuda", generator=gen) * 0.5).to(torch.float8_e4m3fn)
 
@@ -255,6 +258,34 @@ def _logits_case(heads: int, tokens: int, keys: int, causal: bool) -> dict:
         keys=[key],
         path=key.name,
         target=LOGITS_TARGET,
+    )
+
+
+def _index_topk_case(heads: int, tokens: int, keys: int, causal: bool, fused: bool) -> dict:
+    """``index_topk`` (``fused``) or the same selection as ``topk(index_logits(...))`` beside it in the same run: the
+    prefill's selection with and without the [T, N] logits in memory."""
+    logits = _logits_case(heads, tokens, keys, causal)
+
+    def make():
+        return (*logits["make"](), INDEX_TOPK_K)
+
+    def composed(q, k, k_scale, w, ks, ke, topk):
+        return torch.ops.dsa.topk(torch.ops.dsa.index_logits(q, k, k_scale, w, ks, ke), ke - ks, topk, ks)
+
+    sms = sm_count(torch.device("cuda")) if torch.cuda.is_available() else 132
+    kernels = index_topk_keys(heads, DIM, "float8_e4m3fn", tokens, keys, INDEX_TOPK_K, sms)
+    chunk = index_topk_rows(tokens, keys, sms)
+    what = "index_topk" if fused else "index_logits + topk"
+    return dict(
+        logits,
+        name=f"{what} h{heads} T{tokens} N{keys // 1024}K k{INDEX_TOPK_K}{' causal' if causal else ''}",
+        op="index_topk",
+        make=make,
+        bytes=keys * (DIM + 4) + tokens * INDEX_TOPK_K * 4,
+        keys=kernels,
+        path=f"{kernels[0].name} + top-k " + (f"(chunks of {chunk} tokens)" if fused else "(one call)"),
+        target=None,
+        **({} if fused else {"run": composed}),
     )
 
 
@@ -315,6 +346,7 @@ def bench_cases() -> list[dict]:
     """The indexer cases of ``python -m sparse_dsa_ops bench``, with their targets (bound, value, unit)."""
     cases = [_logits_case(h, 4096, 65536, False) for h in (64, 32, 16, 8)]
     cases += [_logits_case(64, 4096, 65536, True)]
+    cases += [_index_topk_case(h, 4096, 65536, c, f) for h in (64, 8) for c in (False, True) for f in (True, False)]
     cases += [_paged_case(h, b, 131072) for h in (64, 8) for b in (64, 1)]
     cases += [_store_case(op, rows) for op in ("quant_index", "store_index_k") for rows in (1 << 20, 16)]
     return cases
