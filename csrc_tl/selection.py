@@ -851,8 +851,9 @@ def build_topk_rows(key: TopkKey):
     row_request : [R] int32
     out : [R, W'] int32, written whole (every entry of every row)
 
-    Shared memory: ``4 * 4096 + 8 * cap`` bytes and a few hundred more (81 KiB at cap 8192). Reads each row once
-    (at most ``cap`` candidates) or twice (the list fits), else up to four times.
+    Shared memory: ``4 * 4096 + 8 * cap`` bytes and a few hundred more (81 KiB at cap 8192). Reads each row once (at
+    most ``cap`` candidates, or up to :data:`BITMAP_COLS` where the guessed threshold holds, after a sample of one
+    column in :data:`SAMPLE_STEP`) or twice (the list fits), else up to four times.
     """
     dims = _Dims()
     return _rows_entry(_rows_stage(key, _parts(key, dims.out_width), dims), key, dims)
