@@ -273,15 +273,19 @@ class _Source:
 
 def _parts(key, out_width) -> SimpleNamespace:
     """The macros of a top-k kernel, specialized on its key and W' (``out_width``): the prefix sums and the digit
-    selection (:func:`_scan_macros`), the passes over the logits (:func:`_logit_macros`), the passes over a pass's
-    source (:func:`_source_macros`) and those that write a row's output (:func:`_output_macros`); and ``sizes``
-    (:class:`_Sizes`)."""
+    selection (:func:`_scan_macros`), the passes over the logits (:func:`_logit_macros`, in column order, and
+    :func:`_unordered_macros`), the passes over a pass's source (:func:`_source_macros`), those that write a row's
+    output (:func:`_output_macros`, :func:`_bitmap_macro`) and those that bring a long row to its list
+    (:func:`_long_row_macros`); and ``sizes`` (:class:`_Sizes`)."""
     sizes = _Sizes.of(key, out_width)
     scans = _scan_macros(sizes)
     logit_passes = _logit_macros(sizes, scans)
+    any_order = _unordered_macros(sizes, logit_passes)
     sources = _source_macros(sizes, scans)
-    outputs = _output_macros(sizes, scans, logit_passes, sources)
-    return SimpleNamespace(sizes=sizes, **vars(scans), **vars(logit_passes), **vars(sources), **vars(outputs))
+    outputs = _output_macros(sizes, scans, logit_passes, sources, _bitmap_macro(sizes, scans, logit_passes, sources))
+    long_rows = _long_row_macros(sizes, scans, logit_passes, any_order)
+    parts = (scans, logit_passes, any_order, sources, outputs, long_rows)
+    return SimpleNamespace(sizes=sizes, **{name: m for part in parts for name, m in vars(part).items()})
 
 
 def _scan_macros(sizes: _Sizes) -> SimpleNamespace:
@@ -459,6 +463,14 @@ def _logit_macros(sizes: _Sizes, scans: SimpleNamespace) -> SimpleNamespace:
             found[0] = found[0] + tile_total[0]
         T.sync_threads()
 
+    return SimpleNamespace(zero=zero, load_tile=load_tile, hist_first=hist_first, collect=collect)
+
+
+def _unordered_macros(sizes: _Sizes, logit_passes: SimpleNamespace) -> SimpleNamespace:
+    """The passes over a row's logits of the list gathered in no order: ``hist_sample`` (the guess's sample) and
+    ``collect_any``."""
+    threads, vec, tile, load_tile = sizes.threads, sizes.vec, sizes.tile, logit_passes.load_tile
+
     @T.macro
     def hist_sample(logits, row, lo, count, hist):
         """Histogram the top digit of the keys of ``count`` sample columns of ``row``, ``lo + i * SAMPLE_STEP``,
@@ -494,9 +506,7 @@ def _logit_macros(sizes: _Sizes, scans: SimpleNamespace) -> SimpleNamespace:
                         lkey[at[0]] = kv[j]
                         lcol[at[0]] = lo + it * tile + j * threads + tx
 
-    return SimpleNamespace(
-        zero=zero, load_tile=load_tile, hist_first=hist_first, collect=collect, hist_sample=hist_sample, collect_any=collect_any
-    )
+    return SimpleNamespace(hist_sample=hist_sample, collect_any=collect_any)
 
 
 def _source_macros(sizes: _Sizes, scans: SimpleNamespace) -> SimpleNamespace:
@@ -585,29 +595,10 @@ def _source_macros(sizes: _Sizes, scans: SimpleNamespace) -> SimpleNamespace:
     return SimpleNamespace(source_tile=source_tile, hist_digit=hist_digit, compact=compact, slot_of=slot_of)
 
 
-def _output_macros(sizes: _Sizes, scans, logit_passes, sources) -> SimpleNamespace:
-    """What a selecting CTA allocates and the passes that write a row's output: ``rows_shared`` and ``split_shared``
-    (its :class:`_Shared` buffers in either scheme), ``finish`` (the last two digits and the output pass),
-    ``whole_row`` (a row that fits the list), ``copy_row`` (a row of at most K candidates) and ``pad``."""
-    threads, vec, tile, k, cap, out_width = sizes.threads, sizes.vec, sizes.tile, sizes.k, sizes.cap, sizes.out_width
-    zero, load_tile, select_digit = logit_passes.zero, logit_passes.load_tile, scans.select_digit
-    block_scan, source_tile = scans.block_scan, sources.source_tile
-    hist_digit, compact, slot_of = sources.hist_digit, sources.compact, sources.slot_of
-
-    def shared_macro(with_offs: bool):
-        @T.macro
-        def shared():
-            """The CTA's :class:`_Shared` buffers, ``offs`` only ``with_offs``."""
-            hist = T.alloc_shared((FIRST_BINS,), T.int32)
-            lkey = T.alloc_shared((cap,), T.uint32)
-            lcol = T.alloc_shared((cap,), T.int32)
-            cnt = T.alloc_shared((2, sizes.entries + 1), T.int32)
-            sums = T.alloc_shared((sizes.warps,), T.int32)
-            offs = T.alloc_shared((threads,), T.int32) if with_offs else None
-            state = T.alloc_shared((STATE_WORDS,), T.int32)
-            return _Shared(hist, lkey, lcol, cnt, sums, offs, state)
-
-        return shared
+def _bitmap_macro(sizes: _Sizes, scans: SimpleNamespace, logit_passes: SimpleNamespace, sources: SimpleNamespace):
+    """``emit_bitmap``: the output pass of a list gathered in no order."""
+    threads, vec, tile, k = sizes.threads, sizes.vec, sizes.tile, sizes.k
+    zero, block_scan, source_tile, slot_of = logit_passes.zero, scans.block_scan, sources.source_tile, sources.slot_of
 
     @T.macro
     def emit_bitmap(src, tau):
@@ -655,6 +646,32 @@ def _output_macros(sizes: _Sizes, scans, logit_passes, sources) -> SimpleNamespa
                 bits[0] = bits[0] & (bits[0] - T.uint32(1))
                 at[0] = at[0] + 1
         T.sync_threads()
+
+    return emit_bitmap
+
+
+def _output_macros(sizes: _Sizes, scans, logit_passes, sources, emit_bitmap) -> SimpleNamespace:
+    """What a selecting CTA allocates and the passes that write a row's output: ``rows_shared`` and ``split_shared``
+    (its :class:`_Shared` buffers in either scheme), ``finish`` (the last two digits and the output pass),
+    ``whole_row`` (a row that fits the list), ``copy_row`` (a row of at most K candidates) and ``pad``."""
+    threads, vec, tile, k, cap, out_width = sizes.threads, sizes.vec, sizes.tile, sizes.k, sizes.cap, sizes.out_width
+    zero, load_tile, select_digit = logit_passes.zero, logit_passes.load_tile, scans.select_digit
+    hist_digit, compact, slot_of = sources.hist_digit, sources.compact, sources.slot_of
+
+    def shared_macro(with_offs: bool):
+        @T.macro
+        def shared():
+            """The CTA's :class:`_Shared` buffers, ``offs`` only ``with_offs``."""
+            hist = T.alloc_shared((FIRST_BINS,), T.int32)
+            lkey = T.alloc_shared((cap,), T.uint32)
+            lcol = T.alloc_shared((cap,), T.int32)
+            cnt = T.alloc_shared((2, sizes.entries + 1), T.int32)
+            sums = T.alloc_shared((sizes.warps,), T.int32)
+            offs = T.alloc_shared((threads,), T.int32) if with_offs else None
+            state = T.alloc_shared((STATE_WORDS,), T.int32)
+            return _Shared(hist, lkey, lcol, cnt, sums, offs, state)
+
+        return shared
 
     @T.macro
     def finish(use_list, count, top, above, row, shared, unordered=None):
@@ -717,6 +734,41 @@ def _output_macros(sizes: _Sizes, scans, logit_passes, sources) -> SimpleNamespa
         select_digit(shared.hist, FIRST_BINS, k, shared.state, shared.sums)
 
     @T.macro
+    def copy_row(row, n):
+        """A row of ``n <= k`` candidates from column ``row.lo``: all of them, then -1 (the whole output row)."""
+        tx = T.get_thread_binding()
+        for i in T.serial(T.ceildiv(out_width, threads)):
+            if i * threads + tx < out_width:
+                row.out[row.row, i * threads + tx] = T.if_then_else(
+                    i * threads + tx < n, slot_of(row.lo - row.start + i * threads + tx, *row.paging), -1
+                )
+
+    @T.macro
+    def pad(out, orow):
+        """``out[orow, k:] = -1``."""
+        tx = T.get_thread_binding()
+        if out_width > k:
+            for i in T.serial(T.ceildiv(out_width - k, threads)):
+                if k + i * threads + tx < out_width:
+                    out[orow, k + i * threads + tx] = -1
+
+    return SimpleNamespace(
+        rows_shared=shared_macro(False),
+        split_shared=shared_macro(True),
+        finish=finish,
+        whole_row=whole_row,
+        copy_row=copy_row,
+        pad=pad,
+    )
+
+
+def _long_row_macros(sizes: _Sizes, scans, logit_passes, any_order) -> SimpleNamespace:
+    """How the one-CTA-per-row kernel gets a row of more than ``cap`` candidates to its list: ``guess_list`` (one
+    read, on a guessed threshold) and ``two_reads``."""
+    threads, k, cap = sizes.threads, sizes.k, sizes.cap
+    zero, select_digit = logit_passes.zero, scans.select_digit
+
+    @T.macro
     def list_top(shared, count):
         """Histogram the top digit of the list's ``count`` keys into ``shared.hist`` (zeroed). No barrier."""
         tx = T.get_thread_binding()
@@ -741,14 +793,14 @@ def _output_macros(sizes: _Sizes, scans, logit_passes, sources) -> SimpleNamespa
         zero(shared.hist, FIRST_BINS)
         shared.state[TICKET] = 0  # (a word select_digit leaves alone) counts the list
         T.sync_threads()
-        logit_passes.hist_sample(row.logits, row.row, row.lo, samples, shared.hist)
+        any_order.hist_sample(row.logits, row.row, row.lo, samples, shared.hist)
         T.sync_threads()
         # (int64: samples * guess_target outgrows int32 past 2^31 / 2^13 * 128 columns)
         rank[0] = T.cast((T.cast(samples, T.int64) * guess_target + n - 1) // n, T.int32)
         rank[0] = T.max(T.min(rank[0], samples), 1)
         select_digit(shared.hist, FIRST_BINS, rank[0], shared.state, shared.sums)
         thr = T.cast(shared.state[DIGIT], T.uint32) << FIRST_SHIFT
-        logit_passes.collect_any(row.logits, row.row, row.lo, row.hi, thr, shared.lkey, shared.lcol, shared.state)
+        any_order.collect_any(row.logits, row.row, row.lo, row.hi, thr, shared.lkey, shared.lcol, shared.state)
         T.sync_threads()
         top[2] = shared.state[TICKET]
         if (top[2] >= k) & (top[2] <= cap):
@@ -781,41 +833,13 @@ def _output_macros(sizes: _Sizes, scans, logit_passes, sources) -> SimpleNamespa
         if unordered[0] == 1:
             shared.state[TICKET] = 0
             T.sync_threads()
-            logit_passes.collect_any(row.logits, row.row, row.lo, row.hi, thr, shared.lkey, shared.lcol, shared.state)
+            any_order.collect_any(row.logits, row.row, row.lo, row.hi, thr, shared.lkey, shared.lcol, shared.state)
         elif top[2] <= cap:
             logit_passes.collect(
                 row.logits, row.row, row.lo, row.hi, thr, shared.lkey, shared.lcol, None, cap, shared.cnt, found
             )
 
-    @T.macro
-    def copy_row(row, n):
-        """A row of ``n <= k`` candidates from column ``row.lo``: all of them, then -1 (the whole output row)."""
-        tx = T.get_thread_binding()
-        for i in T.serial(T.ceildiv(out_width, threads)):
-            if i * threads + tx < out_width:
-                row.out[row.row, i * threads + tx] = T.if_then_else(
-                    i * threads + tx < n, slot_of(row.lo - row.start + i * threads + tx, *row.paging), -1
-                )
-
-    @T.macro
-    def pad(out, orow):
-        """``out[orow, k:] = -1``."""
-        tx = T.get_thread_binding()
-        if out_width > k:
-            for i in T.serial(T.ceildiv(out_width - k, threads)):
-                if k + i * threads + tx < out_width:
-                    out[orow, k + i * threads + tx] = -1
-
-    return SimpleNamespace(
-        rows_shared=shared_macro(False),
-        split_shared=shared_macro(True),
-        finish=finish,
-        whole_row=whole_row,
-        guess_list=guess_list,
-        two_reads=two_reads,
-        copy_row=copy_row,
-        pad=pad,
-    )
+    return SimpleNamespace(guess_list=guess_list, two_reads=two_reads)
 
 
 @T.macro
