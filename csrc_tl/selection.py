@@ -44,13 +44,16 @@ Two schemes:
 
 * :func:`build_topk_rows`: one CTA per row (grid R), no scratch. For many rows (the prefill: R in the hundreds
   or more), where R CTAs fill the GPU.
-* :func:`build_topk_split` (stages ``hist`` then ``select``): C CTAs per row, each over a chunk of CH columns, for
-  few rows (decode batches: R * C >= the SM count). ``hist`` adds each chunk's histogram of the top digit into
-  ``counters`` and the row's last CTA (a ticket counter) finds the top digit; ``select`` gathers each chunk's list
-  entries in order into ``cand`` and the row's last CTA finishes the row. Rows of at most ``cap`` candidates are
-  done by the CTA of chunk 0 of ``select`` alone. The tickets make the last CTA of a row the only reader of what
-  the others wrote, after a device-scope fence: no CTA ever waits for another, and the result does not depend on
-  which CTA comes last. Both stages leave ``counters`` all zero, so it is zeroed once, when allocated.
+* :func:`build_topk_split`: C CTAs per row, each over a chunk of CH columns, in one launch, for few rows (decode
+  batches: R * C >= the SM count). Every CTA of a row guesses the same threshold from the same samples, gathers its
+  chunk's candidates at or above it in column order into ``cand`` and takes a ticket; the row's last CTA joins the
+  chunks' entries in chunk order into the list (so the list is in column order) and, where the guess holds,
+  finishes the row on it; where it fails (fewer than K at or above the guess, or more than the list holds: many
+  equal logits, or a row that hides its largest logits from the samples) it reads the row alone as the
+  one-CTA-per-row kernel does. Rows of at most ``cap`` candidates are done by the CTA of chunk 0 alone. The tickets
+  make the last CTA of a row the only reader of what the others wrote, after a device-scope fence: no CTA ever
+  waits for another, and the result does not depend on which CTA comes last. A call leaves its tickets all zero,
+  so they are zeroed once, when allocated.
 
 Kernels never read or write outside their buffers for any index value: starts and lengths of any int32 value,
 page-table entries and request ids outside their ranges.
@@ -66,8 +69,6 @@ __all__ = [
     "TopkSplitKey",
     "MAX_K",
     "FIRST_BINS",
-    "COUNTERS",
-    "ROW_STATE",
     "pass_configs",
     "split_chunk",
     "order_key",
@@ -89,8 +90,6 @@ COUNT_BITS = 16  # an in-order pass sums (greater, equal) counts of a tile packe
 COUNT_MASK = (1 << COUNT_BITS) - 1
 SAMPLE_STEP = 128  # columns between the samples that guess a long row's threshold (one in 16 of its sectors)
 BITMAP_COLS = 32 * FIRST_BINS  # candidates of a row whose selection can leave through a bitmap in the histogram
-COUNTERS = FIRST_BINS + 1  # int32 counters of a row in the split scheme: the top-digit histogram, then a ticket
-ROW_STATE = 4  # int32 words of a row's state in the split scheme: top digit, keys above it, its count, spare
 # Key bits (order_key).
 SIGN = 0x80000000
 MAGNITUDE = 0x7FFFFFFF
@@ -131,11 +130,9 @@ class TopkKey:
 
 @dataclass(frozen=True)
 class TopkSplitKey:
-    """One stage (``"hist"`` or ``"select"``) of the split top-k kernels (:func:`build_topk_split`); the other
-    fields as :class:`TopkKey`. The two stages of one call use keys equal but for the stage."""
+    """The split top-k kernel (:func:`build_topk_split`); the fields as :class:`TopkKey`."""
 
     k: int
-    stage: str = "hist"
     page_size: int = 0
     has_starts: bool = False
     has_row_request: bool = False
@@ -145,11 +142,10 @@ class TopkSplitKey:
 
     def __post_init__(self):
         _check_key(self)
-        assert self.stage in ("hist", "select"), f"stage is 'hist' or 'select', got {self.stage!r}"
 
     @property
     def name(self) -> str:
-        return f"topk_split_{self.stage}_{_spec_name(self)}"
+        return f"topk_split_{_spec_name(self)}"
 
 
 def _check_key(key) -> None:
@@ -233,7 +229,7 @@ class _Shared:
     """The shared buffers of a CTA that selects a row (allocated by :func:`_output_macros`' ``rows_shared`` or
     ``split_shared``): ``hist`` (a digit's histogram, ``[FIRST_BINS]``), the list ``lkey`` and ``lcol`` (keys and
     columns, ``[cap]``), ``cnt`` (the tile counts of :func:`_scan_macros`' ``tile_ranks``), ``sums`` (the warp totals
-    of ``block_scan``), ``offs`` (the chunks' offsets in the split select stage's gather, ``[threads]``; else None)
+    of ``block_scan``), ``offs`` (the chunks' offsets in the split kernel's gather, ``[threads]``; else None)
     and ``state`` (a digit selection's result and a ticket, ``[STATE_WORDS]``)."""
 
     hist: object
@@ -674,7 +670,7 @@ def _output_macros(sizes: _Sizes, scans, logit_passes, sources, emit_bitmap) -> 
         return shared
 
     @T.macro
-    def finish(use_list, count, top, above, row, shared, unordered=None):
+    def finish(use_list, count, top, above, row, shared, unordered):
         """Given the top digit ``top`` of the K-th largest key and the count ``above`` of keys of a larger top
         digit, find the last two digits over the :class:`_Source` ``(use_list, count, row, shared)`` (the list of
         ``count`` entries where ``use_list`` is nonzero) and write the selection of ``row`` (a :class:`_Row`) to its
@@ -686,6 +682,7 @@ def _output_macros(sizes: _Sizes, scans, logit_passes, sources, emit_bitmap) -> 
         need = T.alloc_local((1,), T.int32)
         prefix = T.alloc_local((1,), T.uint32)
         tau = T.alloc_local((1,), T.uint32)
+        ordered = T.alloc_local((1,), T.int32)  # the output pass reads the list (else the row)
         need[0] = k - above
         prefix[0] = T.cast(top, T.uint32)
         zero(shared.hist, LOW_BINS)
@@ -703,14 +700,11 @@ def _output_macros(sizes: _Sizes, scans, logit_passes, sources, emit_bitmap) -> 
         select_digit(shared.hist, LOW_BINS, need[0], shared.state, shared.sums)
         tau[0] = (prefix[0] << LOW_BITS) | T.cast(shared.state[DIGIT], T.uint32)
         need[0] = need[0] - shared.state[ABOVE]  # the keys equal to tau that are taken
-        if unordered is None:
-            compact(src, tau[0], need[0])
-        elif unordered[0] == 0:
-            compact(src, tau[0], need[0])
-        elif shared.state[COUNT] == need[0]:  # every key equal to tau is taken: the set is known, not its order
-            emit_bitmap(src, tau[0])
-        else:  # ties at tau cut by position: in column order from the row
-            compact(_Source(0, count, row, shared), tau[0], need[0])
+        if unordered[0] != 0 and shared.state[COUNT] == need[0]:
+            emit_bitmap(src, tau[0])  # every key equal to tau is taken: the set is known, not its order
+        else:  # in column order: from the list where it is in order, else (ties at tau cut) from the row
+            ordered[0] = T.Select(unordered[0] == 0, use_list, 0)
+            compact(_Source(ordered[0], count, row, shared), tau[0], need[0])
 
     @T.macro
     def whole_row(row, n, shared):
@@ -768,30 +762,18 @@ def _long_row_macros(sizes: _Sizes, scans, logit_passes, any_order) -> SimpleNam
     threads, k, cap = sizes.threads, sizes.k, sizes.cap
     zero, select_digit = logit_passes.zero, scans.select_digit
 
-    @T.macro
-    def list_top(shared, count):
-        """Histogram the top digit of the list's ``count`` keys into ``shared.hist`` (zeroed). No barrier."""
-        tx = T.get_thread_binding()
-        for i in T.serial(T.ceildiv(count, threads)):
-            if i * threads + tx < count:
-                T.atomic_add(shared.hist[T.cast(shared.lkey[i * threads + tx] >> FIRST_SHIFT, T.int32)], 1)
-
     # keys at or above the guessed threshold a guess aims at: twice k (k + 1024 at least), short of the list
     guess_target = min(max(2 * k, k + 1024), (k + cap) // 2)
 
     @T.macro
-    def guess_list(row, shared, top):
-        """One read of a row of more than ``cap`` and at most :data:`BITMAP_COLS` candidates, on a guess: the top
-        digit of the ``guess_target``-th largest of its samples (one column in :data:`SAMPLE_STEP`) as the
-        threshold, every candidate at or above it gathered into the list in any order. The guess holds where they
-        are k or more (the k-th largest key is then at or above it) and fit the list: then ``top`` is the top
-        digit of the k-th largest, the keys above it and the list's length, as the histogram of the whole row
-        would give them, and ``top[2] <= cap``; else ``top[2]`` is above ``cap``. Ends at a barrier."""
+    def guess_digit(row, shared):
+        """``shared.state[DIGIT]``: the guessed threshold's top digit for a row of more than ``cap`` candidates, the
+        top digit of the ``guess_target``-th largest of its samples (one column in :data:`SAMPLE_STEP`). Ends at a
+        barrier."""
         n = row.hi - row.lo
         samples = n // SAMPLE_STEP
         rank = T.alloc_local((1,), T.int32)
         zero(shared.hist, FIRST_BINS)
-        shared.state[TICKET] = 0  # (a word select_digit leaves alone) counts the list
         T.sync_threads()
         any_order.hist_sample(row.logits, row.row, row.lo, samples, shared.hist)
         T.sync_threads()
@@ -799,20 +781,39 @@ def _long_row_macros(sizes: _Sizes, scans, logit_passes, any_order) -> SimpleNam
         rank[0] = T.cast((T.cast(samples, T.int64) * guess_target + n - 1) // n, T.int32)
         rank[0] = T.max(T.min(rank[0], samples), 1)
         select_digit(shared.hist, FIRST_BINS, rank[0], shared.state, shared.sums)
-        thr = T.cast(shared.state[DIGIT], T.uint32) << FIRST_SHIFT
-        any_order.collect_any(row.logits, row.row, row.lo, row.hi, thr, shared.lkey, shared.lcol, shared.state)
-        T.sync_threads()
-        top[2] = shared.state[TICKET]
+
+    @T.macro
+    def list_digit(shared, top):
+        """Where the guess holds (the list's ``top[2]`` entries are k or more: the k-th largest key is at or above
+        the guess; and they fit the list), ``top[0]`` and ``top[1]``: the top digit of the k-th largest and the
+        keys above it, from the list's histogram, as the histogram of the whole row would give them; else
+        ``top[2] = cap + 1``. Starts after a barrier, ends at one."""
+        tx = T.get_thread_binding()
         if (top[2] >= k) & (top[2] <= cap):
             zero(shared.hist, FIRST_BINS)
             T.sync_threads()
-            list_top(shared, top[2])
+            for i in T.serial(T.ceildiv(top[2], threads)):
+                if i * threads + tx < top[2]:
+                    T.atomic_add(shared.hist[T.cast(shared.lkey[i * threads + tx] >> FIRST_SHIFT, T.int32)], 1)
             T.sync_threads()
             select_digit(shared.hist, FIRST_BINS, k, shared.state, shared.sums)
             top[0] = shared.state[DIGIT]
             top[1] = shared.state[ABOVE]
         else:
             top[2] = cap + 1
+
+    @T.macro
+    def guess_list(row, shared, top):
+        """One read of a row of more than ``cap`` and at most :data:`BITMAP_COLS` candidates, on a guess
+        (``guess_digit``): every candidate at or above it gathered into the list in any order. ``top`` as
+        ``list_digit`` leaves it. Ends at a barrier."""
+        shared.state[TICKET] = 0  # (a word select_digit leaves alone) counts the list
+        guess_digit(row, shared)
+        thr = T.cast(shared.state[DIGIT], T.uint32) << FIRST_SHIFT
+        any_order.collect_any(row.logits, row.row, row.lo, row.hi, thr, shared.lkey, shared.lcol, shared.state)
+        T.sync_threads()
+        top[2] = shared.state[TICKET]
+        list_digit(shared, top)
 
     @T.macro
     def two_reads(row, shared, top, unordered, found):
@@ -839,7 +840,7 @@ def _long_row_macros(sizes: _Sizes, scans, logit_passes, any_order) -> SimpleNam
                 row.logits, row.row, row.lo, row.hi, thr, shared.lkey, shared.lcol, None, cap, shared.cnt, found
             )
 
-    return SimpleNamespace(guess_list=guess_list, two_reads=two_reads)
+    return SimpleNamespace(guess_digit=guess_digit, list_digit=list_digit, guess_list=guess_list, two_reads=two_reads)
 
 
 @T.macro
@@ -996,7 +997,7 @@ def _fence():
 
 
 @T.macro
-def _ticket(counters, r, state):
+def _ticket(tickets, r, state):
     """``state[TICKET]``: how many CTAs of row r took a ticket before this one, after this CTA's global writes are
     fenced. Ends at a barrier; the CTA whose ticket is C - 1 is the row's last."""
     tx = T.get_thread_binding()
@@ -1004,66 +1005,38 @@ def _ticket(counters, r, state):
     T.sync_threads()
     if tx == 0:
         _fence()
-        state[TICKET] = T.atomic_add(counters[r, FIRST_BINS], 1, return_prev=True)
+        state[TICKET] = T.atomic_add(tickets[r], 1, return_prev=True)
     T.sync_threads()
 
 
 def build_topk_split(key: TopkSplitKey):
-    """One stage of the split top-k kernels of ``key``: grid (C, R), ``key.threads`` threads; CTA (c, r) takes the
-    columns ``[c * CH, (c + 1) * CH)`` of row r. Launch ``hist``, then ``select``, with the same scratch.
+    """The split top-k kernel of ``key``: grid (C, R), ``key.threads`` threads; CTA (c, r) takes the columns
+    ``[c * CH, (c + 1) * CH)`` of row r.
 
-    hist: ``(logits, lengths, [starts,] counters, row_state, cand)``
-    select: ``(logits, lengths, [starts,] [page_table,] [row_request,] counters, row_state, cand, cand_count, out)``
+    Call: ``(logits, lengths, [starts,] [page_table,] [row_request,] tickets, cand, cand_count, out)``
 
     logits, lengths, starts, page_table, row_request, out : as :func:`build_topk_rows`
-    counters : [R, COUNTERS] int32 scratch, all zero before the first call (e.g. ``torch.zeros`` once, when
-        allocated); both stages leave it all zero again
-    row_state : [R, ROW_STATE] int32 scratch (any contents; hist writes it, select reads it)
-    cand : [R, C, 2, CH] int32 scratch (any contents): each chunk's list entries, keys then columns (hist reads
-        only its shape)
+    tickets : [R] int32 scratch, all zero before the first call (e.g. ``torch.zeros`` when allocated); a call
+        leaves it all zero again
+    cand : [R, C, 2, CH] int32 scratch (any contents): each chunk's list entries, keys then columns
     cand_count : [R, C] int32 scratch (any contents)
 
     C (1 to ``key.threads``) and CH come from cand's shape and must cover the row: ``C * CH >= W``
-    (:func:`split_chunk`). One call must not overlap another on the same scratch (another stream). Shared memory: the
-    hist stage about 16 KiB, the select stage as :func:`build_topk_rows` plus ``4 * threads`` bytes.
+    (:func:`split_chunk`). One call must not overlap another on the same scratch (another stream). Shared memory as
+    :func:`build_topk_rows`, plus ``4 * threads`` bytes.
     """
     dims = _Dims()
     parts = _parts(key, dims.out_width)
     logits_t = T.StridedTensor((dims.rows, dims.width), (dims.ld, 1), T.float32)
-    vec_t, starts_t, request_t = _row_vectors(dims.rows)
-    counters_t = T.Tensor((dims.rows, COUNTERS), T.int32)
-    state_t = T.Tensor((dims.rows, ROW_STATE), T.int32)
-    cand_t = T.Tensor((dims.rows, dims.chunks, 2, dims.chunk), T.int32)
-    if key.stage == "hist":
-        hist_stage = _hist_stage(key, parts, dims)
-        if key.has_starts:
-
-            @T.prim_func
-            def topk_split_hist(
-                logits: logits_t,
-                lengths: vec_t,
-                starts: starts_t,
-                counters: counters_t,
-                row_state: state_t,
-                cand: cand_t,
-            ):
-                hist_stage(logits, lengths, starts, counters, row_state)
-
-        else:
-
-            @T.prim_func
-            def topk_split_hist(
-                logits: logits_t, lengths: vec_t, counters: counters_t, row_state: state_t, cand: cand_t
-            ):
-                hist_stage(logits, lengths, None, counters, row_state)
-
-        return topk_split_hist
     table_t = T.Tensor((dims.requests, dims.max_pages), T.int32)
-    count_t = T.Tensor((dims.rows, dims.chunks), T.int32)
+    scratch = (
+        T.Tensor((dims.rows,), T.int32),
+        T.Tensor((dims.rows, dims.chunks, 2, dims.chunk), T.int32),
+        T.Tensor((dims.rows, dims.chunks), T.int32),
+    )
     out_t = T.Tensor((dims.rows, dims.out_width), T.int32)
-    scratch = (counters_t, state_t, cand_t, count_t)
-    return _select_entry(
-        _select_stage(key, parts, dims), key, logits_t, (vec_t, starts_t, request_t), table_t, scratch, out_t
+    return _split_entry(
+        _split_stage(key, parts, dims), key, logits_t, _row_vectors(dims.rows), table_t, scratch, out_t
     )
 
 
@@ -1090,56 +1063,14 @@ def _chunk_macro(dims):
     return chunk_bounds
 
 
-def _hist_stage(key: TopkSplitKey, parts: SimpleNamespace, dims: _Dims):
-    """The body of the split hist stage: each chunk's top-digit histogram into ``counters``; the row's last CTA
-    selects the top digit into ``row_state`` and zeroes the row's counters."""
-    k, cap, threads, chunks = key.k, key.cap, key.threads, dims.chunks
-    chunk_bounds = _chunk_macro(dims)
-
-    @T.macro
-    def hist_stage(logits, lengths, starts, counters, row_state):
-        with T.Kernel(chunks, dims.rows, threads=threads) as (bx, by):
-            hist = T.alloc_shared((FIRST_BINS,), T.int32)
-            sums = T.alloc_shared((parts.sizes.warps,), T.int32)
-            state = T.alloc_shared((STATE_WORDS,), T.int32)
-            bounds = T.alloc_local((5,), T.int32)
-            tx = T.get_thread_binding()
-            row = T.cast(by, T.int64)
-            _row_bounds(lengths, starts, by, dims.width, bounds)
-            if bounds[2] - bounds[1] > cap:  # (smaller rows are done by the select stage alone)
-                chunk_bounds(bounds[1], bounds[2], bx, bounds)
-                parts.zero(hist, FIRST_BINS)
-                T.sync_threads()
-                if bounds[4] > bounds[3]:
-                    parts.hist_first(logits, row, bounds[3], bounds[4], hist)
-                T.sync_threads()
-                for i in T.unroll(FIRST_BINS // threads):
-                    if hist[i * threads + tx] > 0:
-                        T.atomic_add(counters[by, i * threads + tx], hist[i * threads + tx])
-                _ticket(counters, by, state)
-                if state[TICKET] == chunks - 1:  # the row's last CTA: every chunk is counted
-                    _fence()
-                    for i in T.unroll(FIRST_BINS // threads):
-                        hist[i * threads + tx] = T.atomic_load(counters[by, i * threads + tx], memory_order="relaxed")
-                    T.sync_threads()
-                    parts.select_digit(hist, FIRST_BINS, k, state, sums)
-                    if tx < ROW_STATE:
-                        row_state[by, tx] = T.Select(tx < TICKET, state[T.min(tx, COUNT)], 0)
-                    for i in T.unroll(FIRST_BINS // threads):
-                        counters[by, i * threads + tx] = 0
-                    if tx == 0:
-                        counters[by, FIRST_BINS] = 0
-
-    return hist_stage
-
-
 def _gather_macro(key: TopkSplitKey, parts: SimpleNamespace, dims: _Dims):
-    threads, chunks, chunk = key.threads, dims.chunks, dims.chunk
+    threads, k, cap, chunks, chunk = key.threads, key.k, key.cap, dims.chunks, dims.chunk
 
     @T.macro
-    def gather(cand, cand_count, r, count, lkey, lcol, offs, sums):
-        """The row's list from the chunks' entries (``count <= cap`` in all), in chunk order: each thread finds the
-        chunk of its entry by a binary search over the chunks' offsets. Ends at a barrier."""
+    def gather(cand, cand_count, r, top, shared):
+        """``top[2]``: the chunks' entries of row r in all; where they are k to ``cap``, the list from them in chunk
+        order (each thread finds the chunk of its entry by a binary search over the chunks' offsets). Ends at a
+        barrier."""
         tx = T.get_thread_binding()
         mine = T.alloc_local((1,), T.int32)
         excl = T.alloc_local((1,), T.int32)
@@ -1148,37 +1079,36 @@ def _gather_macro(key: TopkSplitKey, parts: SimpleNamespace, dims: _Dims):
         mine[0] = 0
         if tx < chunks:
             mine[0] = T.atomic_load(cand_count[r, T.min(tx, chunks - 1)], memory_order="relaxed")
-        parts.block_scan(mine, excl, total, sums)
-        offs[tx] = excl[0]
+        parts.block_scan(mine, excl, total, shared.sums)
+        shared.offs[tx] = excl[0]
+        top[2] = total[0]
         T.sync_threads()
-        for it in T.serial(T.ceildiv(count, threads)):
-            if it * threads + tx < count:
-                c[0] = 0  # the last chunk whose entries start at or before this one (offsets never decrease)
-                for step in _lifts(threads):
-                    if c[0] + step < chunks and offs[T.min(c[0] + step, threads - 1)] <= it * threads + tx:
-                        c[0] = c[0] + step
-                lkey[it * threads + tx] = T.reinterpret(
-                    T.atomic_load(
-                        cand[r, c[0], 0, T.min(it * threads + tx - offs[c[0]], chunk - 1)], memory_order="relaxed"
-                    ),
-                    T.uint32,
-                )
-                lcol[it * threads + tx] = T.atomic_load(
-                    cand[r, c[0], 1, T.min(it * threads + tx - offs[c[0]], chunk - 1)], memory_order="relaxed"
-                )
-        T.sync_threads()
+        if (top[2] >= k) & (top[2] <= cap):
+            for it in T.serial(T.ceildiv(top[2], threads)):
+                if it * threads + tx < top[2]:
+                    c[0] = 0  # the last chunk whose entries start at or before this one (offsets never decrease)
+                    for step in _lifts(threads):
+                        if c[0] + step < chunks and shared.offs[T.min(c[0] + step, threads - 1)] <= it * threads + tx:
+                            c[0] = c[0] + step
+                    at = T.min(it * threads + tx - shared.offs[c[0]], chunk - 1)
+                    shared.lkey[it * threads + tx] = T.reinterpret(
+                        T.atomic_load(cand[r, c[0], 0, at], memory_order="relaxed"), T.uint32
+                    )
+                    shared.lcol[it * threads + tx] = T.atomic_load(cand[r, c[0], 1, at], memory_order="relaxed")
+            T.sync_threads()
 
     return gather
 
 
-def _select_stage(key: TopkSplitKey, parts: SimpleNamespace, dims: _Dims):
-    """The body of the split select stage: each chunk's list entries into ``cand``; the row's last CTA gathers them
-    and writes the row. Rows of at most ``cap`` candidates are done by chunk 0 alone."""
+def _split_stage(key: TopkSplitKey, parts: SimpleNamespace, dims: _Dims):
+    """The body of the split kernel: each chunk's candidates at or above the guessed threshold into ``cand``; the
+    row's last CTA gathers them and writes the row, or reads the row alone where the guess fails. Rows of at most
+    ``cap`` candidates are done by chunk 0 alone."""
     k, cap, page, threads, chunks = key.k, key.cap, key.page_size, key.threads, dims.chunks
     chunk_bounds, gather = _chunk_macro(dims), _gather_macro(key, parts, dims)
 
     @T.macro
-    def select_stage(logits, lengths, starts, page_table, row_request, counters, row_state, cand, cand_count, out):
+    def split_rows(logits, lengths, starts, page_table, row_request, tickets, cand, cand_count, out):
         with T.Kernel(chunks, dims.rows, threads=threads) as (bx, by):
             shared = parts.split_shared()
             bounds = T.alloc_local((5,), T.int32)
@@ -1186,6 +1116,7 @@ def _select_stage(key: TopkSplitKey, parts: SimpleNamespace, dims: _Dims):
             found = T.alloc_local((1,), T.int32)
             req = T.alloc_local((1,), T.int32)
             use_list = T.alloc_local((1,), T.int32)
+            unordered = T.alloc_local((1,), T.int32)  # the list was gathered in no order (collect_any)
             finishes = T.alloc_local((1,), T.int32)  # this CTA writes the row's selection
             tx = T.get_thread_binding()
             row = T.cast(by, T.int64)
@@ -1195,7 +1126,7 @@ def _select_stage(key: TopkSplitKey, parts: SimpleNamespace, dims: _Dims):
             paging = (page_table, req[0], dims.requests, dims.max_pages)
             this_row = _Row(logits, row, lo, hi, start, out, paging)
             finishes[0] = 0
-            use_list[0] = 1
+            unordered[0] = 0
             if hi - lo <= k:
                 if bx == 0:
                     parts.copy_row(this_row, hi - lo)
@@ -1207,9 +1138,7 @@ def _select_stage(key: TopkSplitKey, parts: SimpleNamespace, dims: _Dims):
                     top[2] = hi - lo
                     finishes[0] = 1
             else:
-                for i in T.unroll(3):
-                    top[i] = row_state[by, i]
-                top[2] = top[1] + top[2]  # the list's length
+                parts.guess_digit(this_row, shared)  # (every CTA of the row: the same samples, the same guess)
                 chunk_bounds(lo, hi, bx, bounds)
                 found[0] = 0
                 if bounds[4] > bounds[3]:
@@ -1218,7 +1147,7 @@ def _select_stage(key: TopkSplitKey, parts: SimpleNamespace, dims: _Dims):
                         row,
                         bounds[3],
                         bounds[4],
-                        T.cast(top[0], T.uint32) << FIRST_SHIFT,
+                        T.cast(shared.state[DIGIT], T.uint32) << FIRST_SHIFT,
                         None,
                         cand,
                         (by, bx),
@@ -1228,122 +1157,118 @@ def _select_stage(key: TopkSplitKey, parts: SimpleNamespace, dims: _Dims):
                     )
                 if tx == 0:
                     cand_count[by, bx] = found[0]
-                _ticket(counters, by, shared.state)
+                _ticket(tickets, by, shared.state)
                 if shared.state[TICKET] == chunks - 1:  # the row's last CTA: every chunk's entries are written
                     _fence()
                     if tx == 0:
-                        counters[by, FIRST_BINS] = 0
-                    use_list[0] = T.Select(top[2] <= cap, 1, 0)
-                    if use_list[0] != 0:
-                        gather(cand, cand_count, by, top[2], shared.lkey, shared.lcol, shared.offs, shared.sums)
+                        tickets[by] = 0
+                    gather(cand, cand_count, by, top, shared)
+                    parts.list_digit(shared, top)
+                    if top[2] > cap:  # the guess failed: this CTA reads the row alone
+                        parts.two_reads(this_row, shared, top, unordered, found)
                     finishes[0] = 1
             if finishes[0] != 0:
                 T.sync_threads()  # state is read
-                parts.finish(use_list[0], top[2], top[0], top[1], this_row, shared)
+                use_list[0] = T.Select(top[2] <= cap, 1, 0)
+                parts.finish(use_list[0], top[2], top[0], top[1], this_row, shared, unordered)
                 parts.pad(out, row)
 
-    return select_stage
+    return split_rows
 
 
-def _select_entry(select_stage, key, logits_t, vectors, table_t, scratch, out_t):
-    """The prim_func of the split select stage with the arguments ``key`` asks for."""
+def _split_entry(split_rows, key, logits_t, vectors, table_t, scratch, out_t):
+    """The prim_func of the split kernel with the arguments ``key`` asks for."""
     vec_t, starts_t, request_t = vectors
-    counters_t, state_t, cand_t, count_t = scratch
+    tickets_t, cand_t, count_t = scratch
     variant = (key.has_starts, bool(key.page_size), key.has_row_request)
     if variant == (False, False, False):
 
         @T.prim_func
-        def topk_split_select(
+        def topk_split(
             logits: logits_t,
             lengths: vec_t,
-            counters: counters_t,
-            row_state: state_t,
+            tickets: tickets_t,
             cand: cand_t,
             cand_count: count_t,
             out: out_t,
         ):
-            select_stage(logits, lengths, None, None, None, counters, row_state, cand, cand_count, out)
+            split_rows(logits, lengths, None, None, None, tickets, cand, cand_count, out)
 
     elif variant == (True, False, False):
 
         @T.prim_func
-        def topk_split_select(
+        def topk_split(
             logits: logits_t,
             lengths: vec_t,
             starts: starts_t,
-            counters: counters_t,
-            row_state: state_t,
+            tickets: tickets_t,
             cand: cand_t,
             cand_count: count_t,
             out: out_t,
         ):
-            select_stage(logits, lengths, starts, None, None, counters, row_state, cand, cand_count, out)
+            split_rows(logits, lengths, starts, None, None, tickets, cand, cand_count, out)
 
     elif variant == (False, True, False):
 
         @T.prim_func
-        def topk_split_select(
+        def topk_split(
             logits: logits_t,
             lengths: vec_t,
             page_table: table_t,
-            counters: counters_t,
-            row_state: state_t,
+            tickets: tickets_t,
             cand: cand_t,
             cand_count: count_t,
             out: out_t,
         ):
-            select_stage(logits, lengths, None, page_table, None, counters, row_state, cand, cand_count, out)
+            split_rows(logits, lengths, None, page_table, None, tickets, cand, cand_count, out)
 
     elif variant == (True, True, False):
 
         @T.prim_func
-        def topk_split_select(
+        def topk_split(
             logits: logits_t,
             lengths: vec_t,
             starts: starts_t,
             page_table: table_t,
-            counters: counters_t,
-            row_state: state_t,
+            tickets: tickets_t,
             cand: cand_t,
             cand_count: count_t,
             out: out_t,
         ):
-            select_stage(logits, lengths, starts, page_table, None, counters, row_state, cand, cand_count, out)
+            split_rows(logits, lengths, starts, page_table, None, tickets, cand, cand_count, out)
 
     elif variant == (False, True, True):
 
         @T.prim_func
-        def topk_split_select(
+        def topk_split(
             logits: logits_t,
             lengths: vec_t,
             page_table: table_t,
             row_request: request_t,
-            counters: counters_t,
-            row_state: state_t,
+            tickets: tickets_t,
             cand: cand_t,
             cand_count: count_t,
             out: out_t,
         ):
-            select_stage(logits, lengths, None, page_table, row_request, counters, row_state, cand, cand_count, out)
+            split_rows(logits, lengths, None, page_table, row_request, tickets, cand, cand_count, out)
 
     else:
 
         @T.prim_func
-        def topk_split_select(
+        def topk_split(
             logits: logits_t,
             lengths: vec_t,
             starts: starts_t,
             page_table: table_t,
             row_request: request_t,
-            counters: counters_t,
-            row_state: state_t,
+            tickets: tickets_t,
             cand: cand_t,
             cand_count: count_t,
             out: out_t,
         ):
-            select_stage(logits, lengths, starts, page_table, row_request, counters, row_state, cand, cand_count, out)
+            split_rows(logits, lengths, starts, page_table, row_request, tickets, cand, cand_count, out)
 
-    return topk_split_select
+    return topk_split
 
 
 def _row_vectors(rows) -> tuple:

@@ -370,6 +370,10 @@ LARGE = {
     "64-rows-131072-ties": (64, 131072, 2048, True, False),
     "8-rows-65536-k4096": (8, 65536, 4096, False, False),
     "16-rows-32768-paged": (16, 32768, 2048, False, True),
+    # a few rows split over CTAs: fine ties at the guessed threshold's cut, and wider than the bitmap (where the guess
+    # fails, the last CTA's own two reads gather the list in column order)
+    "4-rows-131072-fine-ties": (4, 131072, 2048, 64, False),
+    "4-rows-200000": (4, 200000, 2048, False, False),
     "300-rows-8192-k1": (300, 8192, 1, True, False),
     # a CTA a row (rows >= the SMs): a long row read once on a guessed threshold, the list gathered in no order and
     # written through the column bitmap

@@ -49,8 +49,8 @@ def test_names_spell_out_the_specialization():
         selection.TopkKey(2048, page_size=64, has_row_request=True),
         selection.TopkKey(2048, threads=1024),
         selection.TopkKey(2048, cap=4096),
-        selection.TopkSplitKey(2048, "hist"),
-        selection.TopkSplitKey(2048, "select"),
+        selection.TopkSplitKey(2048),
+        selection.TopkSplitKey(2048, cap=16384),
     ]
     assert len({key.name for key in keys}) == len(keys)
     assert (
@@ -86,8 +86,7 @@ def test_split_chunks_cover_the_row(width, chunks):
 LOWERED = [
     (selection.TopkKey(2048, page_size=PAGE, has_starts=True, has_row_request=True), "cuda"),
     (selection.TopkKey(2048, page_size=PAGE, has_starts=True, has_row_request=True), "hip"),
-    (selection.TopkSplitKey(2048, "hist", has_starts=True), "cuda"),
-    (selection.TopkSplitKey(2048, "select", has_starts=True), "cuda"),
+    (selection.TopkSplitKey(2048, has_starts=True), "cuda"),
 ]
 
 
@@ -105,12 +104,11 @@ def test_kernels_lower(key, target):
     assert shuffles and all(s.rstrip(")").endswith(", 32") for s in shuffles), shuffles
     if key.name.startswith("topk_split"):
         # the row's last CTA reads the other CTAs' writes only after a ticket and a device-scope fence
-        assert "__threadfence()" in src and "AtomicAddRet" in src and "AtomicLoad" in src
-    else:
-        # the list gathered in any order (a shared-memory ticket per entry) and put out through the column bitmap:
-        # atomicOr on a generic address, which shared memory takes (TileLang's AtomicOr is a global reduction)
-        assert "AtomicAddRet((&(((int*)state)" in src and "AtomicOr(" not in src
-        assert re.search(r"\batomicOr\(\(&\(\(\(int\*\)hist\)", src) and "__popc(" in src and "__ffs(" in src
+        assert "__threadfence()" in src and "AtomicLoad" in src
+    # a long row's list gathered in any order (a shared-memory ticket per entry) and put out through the column
+    # bitmap: atomicOr on a generic address, which shared memory takes (TileLang's AtomicOr is a global reduction)
+    assert "AtomicAddRet((&(((int*)state)" in src and "AtomicOr(" not in src
+    assert re.search(r"\batomicOr\(\(&\(\(\(int\*\)hist\)", src) and "__popc(" in src and "__ffs(" in src
 
 
 def _sweep():
@@ -125,10 +123,7 @@ def _sweep():
     keys = []
     for starts, page, request in variants:
         keys.append(selection.TopkKey(2048, page_size=page, has_starts=starts, has_row_request=request))
-        keys += [
-            selection.TopkSplitKey(1, stage, page_size=page, has_starts=starts, has_row_request=request)
-            for stage in ("hist", "select")
-        ]
+        keys.append(selection.TopkSplitKey(1, page_size=page, has_starts=starts, has_row_request=request))
     return keys + [selection.TopkKey(4096, threads=1024), selection.TopkKey(1, threads=256, cap=4096)]
 
 
@@ -328,26 +323,21 @@ def test_rows_kernel_is_exact(gen, key, out_width):
 @pytest.mark.cuda
 @pytest.mark.parametrize("key, out_width", GPU_KEYS[1:3], ids=lambda k: getattr(k, "name", str(k)))
 @pytest.mark.parametrize("chunks", [1, 7])
-def test_split_kernels_are_exact(gen, key, out_width, chunks):
+def test_split_kernel_is_exact(gen, key, out_width, chunks):
     fields = {f: getattr(key, f) for f in ("k", "page_size", "has_starts", "has_row_request")}
-    from sparse_dsa_ops._cuda.selection import SPLIT_THREADS  # the op's split kernels
+    from sparse_dsa_ops._cuda.selection import SPLIT_CAP, SPLIT_THREADS  # the op's split kernel
 
-    hist, select = (
-        compiled(selection.TopkSplitKey(**fields, stage=stage, threads=SPLIT_THREADS)) for stage in ("hist", "select")
-    )
+    split = compiled(selection.TopkSplitKey(**fields, threads=SPLIT_THREADS, cap=SPLIT_CAP))
     logits, lengths, optional, expect = inputs(key, out_width, gen)
     rows = logits.shape[0]
-    starts = optional[:1] if key.has_starts else []
-    counters = torch.zeros(rows, selection.COUNTERS, dtype=torch.int32, device="cuda")
-    row_state = torch.full((rows, selection.ROW_STATE), POISON, dtype=torch.int32, device="cuda")
+    tickets = torch.zeros(rows, dtype=torch.int32, device="cuda")
     cand = torch.full((rows, chunks, 2, selection.split_chunk(WIDTH, chunks)), POISON, dtype=torch.int32, device="cuda")
     cand_count = torch.full((rows, chunks), POISON, dtype=torch.int32, device="cuda")
     outs = []
-    for _ in range(2):  # the second call runs on the counters the first one left
+    for _ in range(2):  # the second call runs on the tickets the first one left
         out = torch.full((rows, out_width), POISON, dtype=torch.int32, device="cuda")
-        hist(logits, lengths, *starts, counters, row_state, cand)
-        select(logits, lengths, *optional, counters, row_state, cand, cand_count, out)
+        split(logits, lengths, *optional, tickets, cand, cand_count, out)
         outs.append(out.cpu())
-        assert not counters.any()  # both stages leave their counters zero
+        assert not tickets.any()  # a call leaves its tickets zero
     assert torch.equal(outs[0], expect)
     assert torch.equal(outs[1], outs[0])

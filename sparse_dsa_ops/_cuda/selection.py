@@ -1,6 +1,6 @@
 """GPU implementation of the exact top-k selection (arguments already checked by the family's contract,
 ``sparse_dsa_ops.ops.selection``): the TileLang kernels of ``csrc_tl.selection``, one CTA per row when the rows fill
-the GPU (:func:`plan_topk`), and for few long rows (decode) each row split over several CTAs in two launches, whose
+the GPU (:func:`plan_topk`), and for few long rows (decode) each row split over several CTAs in one launch, whose
 scratch is allocated per call.
 """
 
@@ -22,12 +22,15 @@ register_builder(builders.TopkKey, builders.build_topk_rows, builders.pass_confi
 register_builder(builders.TopkSplitKey, builders.build_topk_split, builders.pass_configs)
 
 # rows of at most this many columns are one CTA's work however few they are: one read into the CTA's list beats the
-# split's two launches and handoff (BENCHMARKS.md, design decisions)
+# split's handoff (BENCHMARKS.md, design decisions)
 SPLIT_MAX_ROW = 8192
 SPLIT_MIN_CHUNK = 4096  # columns of a split CTA at least (its list is gathered from them)
 SPLIT_WAVES = 1  # split CTAs per SM the rows of a call aim at (one wave: measured faster than two at 4 and 64 rows)
 SPLIT_THREADS = 1024  # threads of a split CTA (measured 10-15% faster than 512 at 1, 4 and 64 rows)
-MAX_CHUNKS = 256  # CTAs a row at most (the split kernels take up to their thread count)
+MAX_CHUNKS = 256  # CTAs a row at most (the split kernel takes up to its thread count)
+# list entries of a split row's last CTA: k 4096's guess aims at 8192 keys with room on both sides (144 KiB of
+# shared memory in all, one CTA an SM as the split plans anyway)
+SPLIT_CAP = 16384
 DEFAULT_SMS = 132  # an H200's, for plans made without a GPU
 
 
@@ -42,7 +45,7 @@ class TopkPlan:
         fields = dict(k=k, page_size=page_size, has_starts=has_starts, has_row_request=has_row_request)
         if self.chunks == 1:
             return [builders.TopkKey(**fields)]
-        return [builders.TopkSplitKey(stage=stage, threads=SPLIT_THREADS, **fields) for stage in ("hist", "select")]
+        return [builders.TopkSplitKey(threads=SPLIT_THREADS, cap=SPLIT_CAP, **fields)]
 
 
 def plan_topk(rows: int, width: int, sms: int) -> TopkPlan:
@@ -77,12 +80,10 @@ def select(out, logits, lengths, k, starts=None, page_table=None, row_request=No
         kernel(keys[0])(logits, lengths, *optional, out)
         return
     dev = logits.device
-    counters = torch.zeros(rows, builders.COUNTERS, dtype=torch.int32, device=dev)
-    row_state = torch.empty(rows, builders.ROW_STATE, dtype=torch.int32, device=dev)
+    tickets = torch.zeros(rows, dtype=torch.int32, device=dev)
     cand = torch.empty(rows, plan.chunks, 2, plan.chunk, dtype=torch.int32, device=dev)
     cand_count = torch.empty(rows, plan.chunks, dtype=torch.int32, device=dev)
-    kernel(keys[0])(logits, lengths, *optional[: 1 if starts is not None else 0], counters, row_state, cand)
-    kernel(keys[1])(logits, lengths, *optional, counters, row_state, cand, cand_count, out)
+    kernel(keys[0])(logits, lengths, *optional, tickets, cand, cand_count, out)
 
 
 def scratch_bytes(rows: int, width: int, sms: int) -> int:
@@ -90,7 +91,7 @@ def scratch_bytes(rows: int, width: int, sms: int) -> int:
     plan = plan_topk(rows, width, sms)
     if plan.chunks == 1:
         return 0
-    return 4 * rows * (builders.COUNTERS + builders.ROW_STATE + plan.chunks * (2 * plan.chunk + 1))
+    return 4 * rows * (1 + plan.chunks * (2 * plan.chunk + 1))
 
 
 def warmup_keys(k=None, page_size=64, starts=(False, True), paged=(False, True), row_request=(False, True)) -> list:
