@@ -1035,9 +1035,7 @@ def build_topk_split(key: TopkSplitKey):
         T.Tensor((dims.rows, dims.chunks), T.int32),
     )
     out_t = T.Tensor((dims.rows, dims.out_width), T.int32)
-    return _split_entry(
-        _split_stage(key, parts, dims), key, logits_t, _row_vectors(dims.rows), table_t, scratch, out_t
-    )
+    return _split_entry(_split_stage(key, parts, dims), key, logits_t, _row_vectors(dims.rows), table_t, scratch, out_t)
 
 
 class _Dims:
