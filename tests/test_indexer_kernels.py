@@ -12,14 +12,13 @@ rows, lengths 0, 1, page, page + 1 and past W), outputs are NaN before the call 
 
 import functools
 import re
-import shutil
-import subprocess
 
 import pytest
 import torch
 
 from csrc_tl import indexer as ix
 from csrc_tl import kpool as kp
+from tests.nvcc import assert_no_serialized_wgmma, assert_no_spills, compile_sm90a, needs_nvcc
 
 FP8 = torch.float8_e4m3fn
 INT_MIN, INT_MAX = -(2**31), 2**31 - 1
@@ -195,46 +194,11 @@ def test_paged_portable_kernel_reads_only_valid_rows():
     assert reads and all("(int64_t)0 <= ((int64_t*)slot_s)" in c for c in reads), reads
 
 
-NVCC = shutil.which("nvcc")
-
-
-def nvcc_log(key, tmp_path) -> str:
-    from tilelang.env import CUTLASS_INCLUDE_DIR, TILELANG_TEMPLATE_PATH
-
-    (tmp_path / "k.cu").write_text(lowered(key, "cuda"))
-    done = subprocess.run(
-        [
-            NVCC,
-            "-cubin",
-            "-arch=sm_90a",
-            "-O3",
-            "-std=c++20",
-            f"-I{TILELANG_TEMPLATE_PATH}",
-            f"-I{CUTLASS_INCLUDE_DIR}",
-            "-Xptxas",
-            "-v",
-            "-o",
-            str(tmp_path / "k.cubin"),
-            str(tmp_path / "k.cu"),
-        ],
-        capture_output=True,
-        text=True,
-    )
-    log = done.stdout + done.stderr
-    assert done.returncode == 0, log
-    return log
-
-
-def assert_no_spill_or_serialized_wgmma(log: str) -> None:
-    # ptxas compiles each role to its setmaxnreg budget (a prefill producer at 56 registers spilled at one head);
-    # and it serializes every wgmma of a kernel (C7510-C7519) when an accumulator is touched while a GEMM is in flight
-    assert not re.search(r"[1-9]\d* bytes spill stores", log), log
-    assert not re.search(r"C751[0-9]", log), log
-
-
-@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
+@needs_nvcc
 def test_index_logits_ws_compiles_without_spills(tmp_path):
-    assert_no_spill_or_serialized_wgmma(nvcc_log(ix.index_logits_key(D, 64, "float8_e4m3fn", "cuda"), tmp_path))
+    log = compile_sm90a(lowered(ix.index_logits_key(D, 64, "float8_e4m3fn", "cuda"), "cuda"), tmp_path)
+    assert_no_spills(log)
+    assert_no_serialized_wgmma(log)
 
 
 SWEEP_HEADS = [1, 2, 3, 5, 8, 16, 24, 32, 64, 100, 128]
@@ -301,10 +265,12 @@ def test_every_key_lowers(key, target):
 
 
 @pytest.mark.lowering
-@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
+@needs_nvcc
 @pytest.mark.parametrize("key", [k for k in SWEEP_KEYS if getattr(k, "ws", False) and k.dim == D], ids=str)
 def test_ws_kernels_compile_without_spills(key, tmp_path):
-    assert_no_spill_or_serialized_wgmma(nvcc_log(key, tmp_path))
+    log = compile_sm90a(lowered(key, "cuda"), tmp_path)
+    assert_no_spills(log)
+    assert_no_serialized_wgmma(log)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ The default run lowers a representative kernel of each family and target; the wh
 import functools
 import math
 import re
-import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -18,6 +17,7 @@ import torch
 from csrc_tl.attention import head_block
 from sparse_dsa_ops import KCacheLayout, _cuda, reference
 from sparse_dsa_ops.ops import FAMILIES
+from tests.nvcc import assert_no_serialized_wgmma, assert_no_spills, compile_sm90a, needs_nvcc
 from tests.test_cuda import at_offset, attn_suite_keys
 
 LAYOUTS = {"656": KCacheLayout(512, 64), "264": KCacheLayout(256, 0)}
@@ -280,12 +280,11 @@ def test_topk_length_variant_takes_the_lengths(name, path):
     assert "topk_length" not in plain and "topk_length" in with_len
 
 
-NVCC = shutil.which("nvcc")
 # the warp-specialized kernels of the GPU suite the default run lowers: those test_attention_sources lowers
 SUITE_WS_SAMPLE = set(attn_keys("deepseek-512+64-h128", "packed")[:2])
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
+@needs_nvcc
 @pytest.mark.parametrize(
     "key",
     [
@@ -311,41 +310,12 @@ SUITE_WS_SAMPLE = set(attn_keys("deepseek-512+64-h128", "packed")[:2])
     ids=lambda k: k.name,
 )
 def test_cuda_sources_compile_for_sm90a(key, tmp_path):
-    from tilelang.env import CUTLASS_INCLUDE_DIR, TILELANG_TEMPLATE_PATH
-
-    (tmp_path / "k.cu").write_text(source(key, "cuda"))
     # the flags TileLang passes nvcc for this kernel (its pass configs)
     fast = _cuda.pass_configs(key).get("tl.enable_fast_math", False)
-    done = subprocess.run(
-        [
-            NVCC,
-            "-cubin",
-            "-arch=sm_90a",
-            "-O3",
-            "-std=c++20",
-            f"-I{TILELANG_TEMPLATE_PATH}",
-            f"-I{CUTLASS_INCLUDE_DIR}",
-            "-Xptxas",
-            "-v",
-            "-keep",
-            "-keep-dir",
-            str(tmp_path),
-            "-o",
-            str(tmp_path / "k.cubin"),
-            str(tmp_path / "k.cu"),
-            *(["--use_fast_math"] if fast else []),
-        ],
-        capture_output=True,
-        text=True,
-    )
-    log = done.stdout + done.stderr
-    assert done.returncode == 0, log
+    log = compile_sm90a(source(key, "cuda"), tmp_path, fast_math=fast, keep=True)
     assert (tmp_path / "k.cubin").stat().st_size > 1000
-    # no register spills, and wgmma not serialized: ptxas serializes every wgmma of a kernel
-    # (C7511 / C7514 / C7515) when, e.g., a GEMM's accumulator is written by other instructions while
-    # an earlier GEMM is in flight; the kernels still run, only much slower (BENCHMARKS.md)
-    assert not re.search(r"[1-9]\d* bytes spill stores", log), log
-    assert not re.search(r"C751[0-9]", log), log
+    assert_no_spills(log)
+    assert_no_serialized_wgmma(log)
     if key.family.startswith("attn_"):
         # a block's output is scaled by one reciprocal per row, not divided element by element: the
         # IEEE divisions (div.rn.f32, 128 to 256 per kernel) took ~2.5 us at the end of every block on

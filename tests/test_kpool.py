@@ -12,8 +12,6 @@ tests hold the GPU ops to it.
 import functools
 import math
 import re
-import shutil
-import subprocess
 from dataclasses import dataclass
 
 import pytest
@@ -23,6 +21,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import sparse_dsa_ops as dsa
 from csrc_tl.kpool import KpoolExpandKey, KpoolStoreKey, build_kpool_expand, build_kpool_store_index_k, lane_plan
 from sparse_dsa_ops import reference
+from tests.nvcc import compile_sm90a, needs_nvcc
 from tests.oracle import INT_MAX, INT_MIN
 from tests.test_indexer_kernels import enclosing_conditions
 
@@ -587,11 +586,8 @@ def test_store_kernel_amax_covers_three_passes():
     assert sorted(int(i) for i in re.findall(r"fabsf\(pooled\[(\d+)\]\)", amax)) == list(range(12))
 
 
-NVCC = shutil.which("nvcc")
-
-
 @pytest.mark.lowering
-@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
+@needs_nvcc
 @pytest.mark.parametrize(
     "key", [KpoolStoreKey(KPOOL, DIM, 64), KpoolStoreKey(KPOOL, DIM, 64, "float32", "float32", True, "int64")], ids=str
 )
@@ -725,18 +721,11 @@ def test_expand_kernel_source(key, target):
 
 
 @pytest.mark.lowering
-@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
+@needs_nvcc
 @pytest.mark.parametrize("key", [KpoolExpandKey(KPOOL), KpoolExpandKey(KPOOL, True, 64, True)], ids=str)
 def test_expand_kernel_compiles_for_sm90a(key, tmp_path):
-    from tilelang.env import CUTLASS_INCLUDE_DIR, TILELANG_TEMPLATE_PATH
-
-    (tmp_path / "k.cu").write_text(dsa._cuda.lower_source(key, "cuda"))
-    cubin = tmp_path / "k.cubin"
-    command = [NVCC, "-cubin", "-arch=sm_90a", "-O3", "-std=c++20", f"-I{TILELANG_TEMPLATE_PATH}"]
-    command += [f"-I{CUTLASS_INCLUDE_DIR}", "-Xptxas", "-v", "-o", str(cubin), str(tmp_path / "k.cu")]
-    done = subprocess.run(command, capture_output=True, text=True)
-    log = done.stdout + done.stderr
-    assert done.returncode == 0 and cubin.stat().st_size > 1000, log
+    log = compile_sm90a(dsa._cuda.lower_source(key, "cuda"), tmp_path)
+    assert (tmp_path / "k.cubin").stat().st_size > 1000, log
     assert " 0 bytes spill stores" in log and "used 1 barriers" in log, log
 
 

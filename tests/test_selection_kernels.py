@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import functools
 import re
-import shutil
-import subprocess
 
 import pytest
 import torch
 
 from csrc_tl import selection
+from tests.nvcc import assert_no_spills, compile_sm90a, needs_nvcc
 from tests.oracle import INT_MAX, INT_MIN
 
-NVCC = shutil.which("nvcc")
 WIDTH = 20000  # columns of the GPU cases: more than a list (8192) holds, so every path of the kernels runs
 PAGE = 64
 POISON = -7  # what the outputs hold before a call: every entry must be written
@@ -135,33 +133,10 @@ def test_every_variant_lowers(key, target):
 
 
 @pytest.mark.lowering
-@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
+@needs_nvcc
 @pytest.mark.parametrize("key", _sweep(), ids=lambda k: k.name)
 def test_cuda_sources_compile_without_spills(key, tmp_path):
-    from tilelang.env import CUTLASS_INCLUDE_DIR, TILELANG_TEMPLATE_PATH
-
-    (tmp_path / "k.cu").write_text(source(key, "cuda"))
-    done = subprocess.run(
-        [
-            NVCC,
-            "-cubin",
-            "-arch=sm_90a",
-            "-O3",
-            "-std=c++20",
-            f"-I{TILELANG_TEMPLATE_PATH}",
-            f"-I{CUTLASS_INCLUDE_DIR}",
-            "-Xptxas",
-            "-v",
-            "-o",
-            str(tmp_path / "k.cubin"),
-            str(tmp_path / "k.cu"),
-        ],
-        capture_output=True,
-        text=True,
-    )
-    log = done.stdout + done.stderr
-    assert done.returncode == 0, log
-    assert not re.search(r"[1-9]\d* bytes spill stores", log), log
+    assert_no_spills(compile_sm90a(source(key, "cuda"), tmp_path))
 
 
 # ----------------------------------------------------------------------------------------------
