@@ -77,7 +77,11 @@ GATHER_ROWS = 32  # rows per block of the gather
 # Logits kernels.
 BN = 64  # key rows per GEMM (one warpgroup's M)
 QN = 128  # query rows (tokens x padded heads) per GEMM: its N
-LOGITS_CHUNK = 16384  # key columns per prefill CTA (grid: token blocks x column chunks)
+# Key columns a prefill CTA takes (grid: token blocks x column chunks; :func:`logits_cols`): at most LOGITS_CHUNK,
+# fewer where the token blocks alone leave the GPU short of LOGITS_WAVES CTAs an SM, down to LOGITS_MIN_COLS.
+LOGITS_CHUNK = 16384
+LOGITS_MIN_COLS = 2048
+LOGITS_WAVES = 2
 WS_STAGES = 3  # shared key stages per consumer warpgroup of the prefill
 WS_NREG = (216, 72)  # setmaxnreg budgets of the prefill: consumer warpgroups, producer warpgroup (3 x 168 at launch)
 PAGED_SPLIT_TOKENS = 1024  # positions per decode CTA (at least): a 128K-token row spreads over 128 CTAs
@@ -446,6 +450,16 @@ def paged_ws_supported(dim: int, heads: int, page: int, q_dtype: str) -> bool:
     return ws_supported(dim, heads, q_dtype) and fits
 
 
+def logits_cols(tokens: int, heads: int, keys: int, sms: int) -> int:
+    """The ``cols`` argument of the prefill kernel for ``tokens`` queries of ``heads`` heads against ``keys`` keys on
+    ``sms`` SMs: LOGITS_CHUNK where the token blocks fill the GPU; fewer (a multiple of 64, at least
+    LOGITS_MIN_COLS) where they do not (a chunk of ``index_topk``, a short prompt), so that the CTAs number about
+    LOGITS_WAVES an SM."""
+    blocks = -(-max(tokens, 1) // head_padding(heads)[1])
+    cols = -(-blocks * max(keys, 1) // (LOGITS_WAVES * max(sms, 1)))
+    return min(LOGITS_CHUNK, max(LOGITS_MIN_COLS, -(-cols // BN) * BN))
+
+
 def index_logits_key(dim: int, heads: int, q_dtype: str, target: str) -> IndexLogitsKey:
     """The prefill kernel for ``target`` ("cuda" = sm_90, or "hip"): warp-specialized where supported."""
     return IndexLogitsKey(dim, heads, q_dtype, ws=target == "cuda" and ws_supported(dim, heads, q_dtype))
@@ -544,8 +558,10 @@ def build_index_logits(key: IndexLogitsKey):
     - ``ks``, ``ke`` : ``[T]`` int32, any values
     - ``logits`` : ``[T, N]`` float32, written whole: ``k_scale[j] * sum_h weights[t, h] * relu(q[t, h] . k[j])``
       for ``max(ks[t], 0) <= j < min(ke[t], N)``, -inf elsewhere
+    - ``cols`` : int, the key columns of a CTA: a positive multiple of 64 (:func:`logits_cols`), any value
+      giving the same logits
 
-    Grid: ``(ceil(T / bt), ceil(N / 16384))`` (:func:`head_padding`): a CTA takes ``bt`` tokens and 16384 key
+    Grid: ``(ceil(T / bt), ceil(N / cols))`` (:func:`head_padding`): a CTA takes ``bt`` tokens and ``cols`` key
     columns, runs the GEMMs over the key blocks of the union of its tokens' ranges and writes -inf elsewhere
     without a GEMM.
     """
@@ -566,7 +582,7 @@ def _build_logits_ws(key: IndexLogitsKey):
     other's GEMM."""
     dim, heads = key.dim, key.heads
     hp, bt = head_padding(heads)
-    stages, chunk = WS_STAGES, LOGITS_CHUNK
+    stages = WS_STAGES
     fill_lanes = 96  # the producer's warps 1-3
     q_chunks = QN * dim // 16  # 16-byte chunks of the query block
     assert q_chunks % 128 == 0, "the producer warpgroup stages the query block in whole 16-byte chunks"
@@ -626,8 +642,9 @@ def _build_logits_ws(key: IndexLogitsKey):
         ks: T.Tensor((t_count,), T.int32),
         ke: T.Tensor((t_count,), T.int32),
         logits: T.Tensor((t_count, n_count), T.float32),
+        cols: T.int32,
     ):
-        with T.Kernel(T.ceildiv(t_count, bt), T.ceildiv(n_count, chunk), threads=384) as (bx, by):
+        with T.Kernel(T.ceildiv(t_count, bt), T.ceildiv(n_count, cols), threads=384) as (bx, by):
             q_s = T.alloc_shared((QN, dim), T.float8_e4m3fn)
             k_s0 = T.alloc_shared((stages, BN, dim), T.float8_e4m3fn)
             k_s1 = T.alloc_shared((stages, BN, dim), T.float8_e4m3fn)
@@ -651,8 +668,8 @@ def _build_logits_ws(key: IndexLogitsKey):
             sc1 = T.alloc_fragment((BN,), T.float32)
             rng = T.alloc_local((4,), T.int32)
             t0 = bx * bt
-            c0 = by * chunk
-            c1 = T.min(c0 + chunk, n_count)
+            c0 = by * cols
+            c1 = T.min(c0 + cols, n_count)
             _token_bounds(ks, ke, t0, c0, c1, t_count, bt, tok_lo, tok_hi, rng)
             b0 = rng[0] // BN
             nb = T.if_then_else(rng[0] < rng[1], T.ceildiv(rng[1], BN) - b0, 0)
@@ -750,7 +767,7 @@ def _build_logits_portable(key: IndexLogitsKey):
     dim, heads = key.dim, key.heads
     hp, bt = head_padding(heads)
     dtype = T.float8_e4m3fn if key.q_dtype == "float8_e4m3fn" else T.bfloat16
-    chunk, threads = LOGITS_CHUNK, PORTABLE_THREADS
+    threads = PORTABLE_THREADS
     t_count, n_count = T.dynamic("t"), T.dynamic("n")
 
     @T.prim_func
@@ -762,8 +779,9 @@ def _build_logits_portable(key: IndexLogitsKey):
         ks: T.Tensor((t_count,), T.int32),
         ke: T.Tensor((t_count,), T.int32),
         logits: T.Tensor((t_count, n_count), T.float32),
+        cols: T.int32,
     ):
-        with T.Kernel(T.ceildiv(t_count, bt), T.ceildiv(n_count, chunk), threads=threads) as (bx, by):
+        with T.Kernel(T.ceildiv(t_count, bt), T.ceildiv(n_count, cols), threads=threads) as (bx, by):
             q_s = T.alloc_shared((QN, dim), dtype)
             k_s = T.alloc_shared((BN, dim), dtype)
             tok_lo = T.alloc_shared((bt,), T.int32)
@@ -774,8 +792,8 @@ def _build_logits_portable(key: IndexLogitsKey):
             sc = T.alloc_fragment((BN,), T.float32)
             rng = T.alloc_local((4,), T.int32)
             t0 = bx * bt
-            c0 = by * chunk
-            c1 = T.min(c0 + chunk, n_count)
+            c0 = by * cols
+            c1 = T.min(c0 + cols, n_count)
             _token_bounds(ks, ke, t0, c0, c1, t_count, bt, tok_lo, tok_hi, rng)
             b0 = rng[0] // BN
             nb = T.if_then_else(rng[0] < rng[1], T.ceildiv(rng[1], BN) - b0, 0)

@@ -329,7 +329,8 @@ def test_gpu_loop_with_reference_kernels(gen, monkeypatch):
     launches = []
 
     def logits_kernel(key):
-        def run(q, k, k_scale, weights, ks, ke, logits):
+        def run(q, k, k_scale, weights, ks, ke, logits, cols):
+            assert cols > 0 and cols % 64 == 0  # the key columns of a CTA: whole 64-row key blocks
             launches.append((key.heads, q.shape[0], logits.shape[0]))
             logits.copy_(reference.index_logits(q, k, k_scale, weights, ks, ke))
 

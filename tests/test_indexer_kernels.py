@@ -99,6 +99,23 @@ def test_key_names_spell_the_specialization():
 
 
 @pytest.mark.parametrize(
+    "tokens, heads, keys, cols",
+    [
+        (4096, 64, 65536, ix.LOGITS_CHUNK),  # a whole prompt: its token blocks fill the GPU
+        (4096, 8, 65536, ix.LOGITS_CHUNK),
+        (220, 64, 65536, ix.LOGITS_CHUNK),  # an index_topk chunk at 64 heads: 110 blocks of 2 tokens, 4 chunks each
+        (220, 8, 65536, 3520),  # at 8 heads, 14 blocks of 16 tokens: 19 chunks each, about 2 CTAs an SM
+        (1, 8, 65536, ix.LOGITS_MIN_COLS),  # one token: the smallest chunks
+        (300, 1, 100, ix.LOGITS_MIN_COLS),  # fewer keys than the smallest chunk
+    ],
+)
+def test_prefill_columns_a_cta_fill_the_gpu(tokens, heads, keys, cols):
+    got = ix.logits_cols(tokens, heads, keys, 132)
+    assert got == cols and got % ix.BN == 0
+
+
+
+@pytest.mark.parametrize(
     "key, message",
     [
         (ix.QuantIndexKey(96), "multiple of 64"),
@@ -445,9 +462,12 @@ def prefill_inputs(heads, t_count, n, q_dtype, exact=True, seed=4):
     return q.to(q_dtype), k, k_scale, weights, ks, ke
 
 
-def run_prefill(key, q, k, k_scale, weights, ks, ke):
+def run_prefill(key, q, k, k_scale, weights, ks, ke, cols=None):
+    """The kernel's logits (poisoned with NaN before the call) and the mask of the in-range pairs; ``cols``: the key
+    columns of a CTA, the plan's by default."""
     logits = torch.full((q.shape[0], k.shape[0]), float("nan"), device="cuda")
-    kernel(key)(*(x.cuda() for x in (q, k, k_scale, weights, ks, ke)), logits)
+    cols = cols or ix.logits_cols(q.shape[0], q.shape[1], k.shape[0], 132)
+    kernel(key)(*(x.cuda() for x in (q, k, k_scale, weights, ks, ke)), logits, cols)
     col = torch.arange(k.shape[0])[None, :]
     valid = (col >= ks.long().clamp(min=0)[:, None]) & (col < ke.long().clamp(max=k.shape[0])[:, None])
     return logits, valid
@@ -455,11 +475,13 @@ def run_prefill(key, q, k, k_scale, weights, ks, ke):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("heads, t_count, n", PREFILL_CASES, ids=[f"h{c[0]}" for c in PREFILL_CASES])
-def test_index_logits_ws(heads, t_count, n):
+@pytest.mark.parametrize("cols", [None, 576], ids=["planned-cols", "cols576"])
+def test_index_logits_ws(heads, t_count, n, cols):
+    # (576 columns a CTA: chunk edges that are no power of two, inside the tokens' ranges)
     key = ix.index_logits_key(D, heads, "float8_e4m3fn", "cuda")
     assert key.ws
     inputs = prefill_inputs(heads, t_count, n, FP8)
-    got, valid = run_prefill(key, *inputs)
+    got, valid = run_prefill(key, *inputs, cols=cols)
     want, mag, _ = ref_logits(inputs[0].float(), inputs[1].float(), *inputs[2:4], valid)
     check_logits(got, want, mag, EXACT_REL)
 
@@ -478,7 +500,7 @@ def test_index_logits_bf16_queries():
     key = ix.index_logits_key(D, 8, "bfloat16", "cuda")
     assert not key.ws
     inputs = prefill_inputs(8, 40, 17084, torch.bfloat16, seed=6)
-    got, valid = run_prefill(key, *inputs)
+    got, valid = run_prefill(key, *inputs, cols=1024)
     want, mag, _ = ref_logits(inputs[0].float(), inputs[1].float(), *inputs[2:4], valid)
     check_logits(got, want, mag, EXACT_REL)
 

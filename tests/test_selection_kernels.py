@@ -84,7 +84,7 @@ def test_split_chunks_cover_the_row(width, chunks):
 LOWERED = [
     (selection.TopkKey(2048, page_size=PAGE, has_starts=True, has_row_request=True), "cuda"),
     (selection.TopkKey(2048, page_size=PAGE, has_starts=True, has_row_request=True), "hip"),
-    (selection.TopkSplitKey(2048, has_starts=True), "cuda"),
+    (selection.TopkSplitKey(2048, has_starts=True, threads=1024, cap=16384), "cuda"),  # the split the op plans
 ]
 
 
