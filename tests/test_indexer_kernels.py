@@ -114,7 +114,6 @@ def test_prefill_columns_a_cta_fill_the_gpu(tokens, heads, keys, cols):
     assert got == cols and got % ix.BN == 0
 
 
-
 @pytest.mark.parametrize(
     "key, message",
     [
