@@ -757,8 +757,9 @@ def _output_macros(sizes: _Sizes, scans, logit_passes, sources, emit_bitmap) -> 
 
 
 def _long_row_macros(sizes: _Sizes, scans, logit_passes, any_order) -> SimpleNamespace:
-    """How the one-CTA-per-row kernel gets a row of more than ``cap`` candidates to its list: ``guess_list`` (one
-    read, on a guessed threshold) and ``two_reads``."""
+    """How a CTA gets a row of more than ``cap`` candidates to its list: ``guess_list`` (one read, on a guessed
+    threshold) and ``two_reads``; and their steps the split kernel shares, ``guess_digit`` (the guess) and
+    ``list_digit`` (whether it holds)."""
     threads, k, cap = sizes.threads, sizes.k, sizes.cap
     zero, select_digit = logit_passes.zero, scans.select_digit
 
