@@ -144,7 +144,8 @@ def index_topk(q, k, k_scale, weights, ks, ke, topk, out_width=None):
         return out
     if not num_keys:
         return out.fill_(-1)  # no token has a candidate
-    rows = index_topk_rows(tokens, num_keys, sm_count(q.device), INDEX_TOPK_BYTES)
+    sms = sm_count(q.device)
+    rows = index_topk_rows(tokens, num_keys, sms, INDEX_TOPK_BYTES)
     logits = torch.empty(rows, num_keys, dtype=torch.float32, device=q.device)  # every chunk's, in turn
     lengths = ke - ks  # [T] int32, as the composition computes them
     score = kernel(builders.index_logits_key(dim, heads, _Q_DTYPES[q.dtype], target()))
@@ -152,7 +153,7 @@ def index_topk(q, k, k_scale, weights, ks, ke, topk, out_width=None):
     for t0 in range(0, tokens, rows):
         t1 = min(t0 + rows, tokens)
         chunk = logits[: t1 - t0]  # [t, N], contiguous
-        cols = builders.logits_cols(t1 - t0, heads, num_keys, sm_count(q.device))
+        cols = builders.logits_cols(t1 - t0, heads, num_keys, sms)
         ranges = aligned(ks[t0:t1]), aligned(ke[t0:t1])
         score(aligned(q[t0:t1]), k, k_scale, aligned(weights[t0:t1]), *ranges, chunk, cols)
         select(out[t0:t1], chunk, lengths[t0:t1], topk, ks[t0:t1])
