@@ -34,7 +34,7 @@ from csrc_tl.attention.launch import (
     attn_kernels,
     plan_launch,
 )
-from csrc_tl.attention.plan import DEFAULT_CTAS, WS_NREG
+from csrc_tl.attention.plan import DEFAULT_CTAS, WS_NREG, WS_NREG_TRANSPOSED
 
 
 def geometry(
@@ -193,7 +193,19 @@ def test_ws_supported(geo, ok):
 
 
 def test_device_helper_sections():
-    names = ("row_sums", "convert", "widen", "copy", "bulk", "put_bf16", "bar_sync", "copy16", "ld_index", "col_stats")
+    names = (
+        "row_sums",
+        "convert",
+        "widen",
+        "copy",
+        "bulk",
+        "put_bf16",
+        "bar_sync",
+        "copy16",
+        "ld_index",
+        "col_stats",
+        "direct",
+    )
     sections = device.sections()
     assert tuple(sections) == names
     assert all(text.endswith("\n") and "// section:" not in text for text in sections.values())
@@ -215,6 +227,37 @@ def test_prelude(c: Case):
     assert ("dsa_copy16" in text) == plan.split
     assert ("dsa_ld_index" in text) == plan.persist
     assert ("dsa_cp_async(" in text) == (plan.inplace or plan.halves or plan.bulk)
+    assert "dsa_ld_row" not in text and not plan.direct  # (the plain consumers keep the in-place copies)
+
+
+@pytest.mark.parametrize("heads", [1, 5, 8])
+def test_few_heads_of_tailless_packed_rows_go_through_registers(heads):
+    """The transposed prefill over GLM-5.3-Flash's 528-byte rows at 8 heads or fewer gathers them through registers:
+    loaded by ``dsa_ld_row``, never copied raw into the stage nor widened there (the one case where that measured
+    faster: see ws_direct)."""
+    plan = ws_plan(AttnGeometry(512, 0, heads, "packed", True, 0.1), transposed=True)
+    assert plan.inplace and plan.direct and plan.wg1_widens and not plan.calls_widen
+    assert plan.row_words == 4 * (4 + 1) + 1  # four value chunks, the scales, the flag
+    assert plan.nreg == WS_NREG_TRANSPOSED[plan.scheme]
+    text = plan.prelude
+    assert "dsa_ld_row" in text and "dsa_widen8" in text and "dsa_widen<" not in text
+
+
+@pytest.mark.parametrize(
+    "geo, split, transposed",
+    [
+        (AttnGeometry(512, 0, 16, "packed", False, 0.1), False, True),  # 16 heads: slower so
+        (AttnGeometry(512, 0, 8, "packed", False, 0.1), True, True),  # the split kernel: not measured so
+        (AttnGeometry(512, 0, 8, "packed", False, 0.1), False, False),  # the plain consumers
+        (AttnGeometry(512, 64, 8, "packed", False, 0.1), False, True),  # DeepSeek's rows: slower so
+        (AttnGeometry(256, 0, 8, "packed", False, 0.1), True, True),  # staged: widened shared-to-shared
+        (AttnGeometry(512, 64, 8, "fp8", False, 0.1), False, True),  # no scales: the in-place widening
+        (AttnGeometry(512, 64, 8, "bf16", False, 0.1), False, True),
+    ],
+    ids=lambda v: str(v),
+)
+def test_direct_only_where_it_is_faster(geo, split, transposed):
+    assert not ws_plan(geo, split=split, transposed=transposed).direct
 
 
 # ----------------------------------------------------------------------------------------------

@@ -22,7 +22,12 @@ from tests.test_cuda import at_offset, attn_suite_keys
 
 LAYOUTS = {"656": KCacheLayout(512, 64), "264": KCacheLayout(256, 0)}
 CACHE_OPS = ["quant_k_cache", "store_k_cache", "dequant_k_cache", "gather_k_cache", "gather_dequant_k_cache"]
-ATTN = {"glm-256+0-h64": (256, 0, 64), "deepseek-512+64-h128": (512, 64, 128), "512+0-h16": (512, 0, 16)}
+ATTN = {
+    "glm-256+0-h64": (256, 0, 64),
+    "deepseek-512+64-h128": (512, 64, 128),
+    "512+0-h16": (512, 0, 16),
+    "512+0-h8": (512, 0, 8),
+}
 LOWERING = pytest.mark.lowering
 PATHS = {"prefill": 0, "split": 1}  # the index of each kernel in a geometry's attn_keys
 
@@ -303,6 +308,7 @@ SUITE_WS_SAMPLE = set(attn_keys("deepseek-512+64-h128", "packed")[:2])
                 attn_keys("glm-256+0-h64", "packed")[0],
                 attn_keys("512+0-h16", "packed")[0],
                 attn_keys("512+0-h16", "packed", has_len=True)[1],
+                attn_keys("512+0-h8", "packed", has_len=True)[0],
             ],
             ids=lambda k: k.name,
         ),
@@ -664,6 +670,26 @@ def test_inplace_producer_schedule(kind, path):
     # the ready barriers count warpgroup 1's arrivals too where it fills a pass
     for stage in "01":
         assert f"ready{stage}[0].init({256 if wg1_widens else 128});" in source(key, "cuda")
+
+
+def test_direct_producer_schedule():
+    # the transposed prefill over 512+0 packed rows at 8 heads gathers them through registers: each warpgroup that
+    # fills passes of a block (the producer two, warpgroup 1 two) starts its first block's loads before its loop,
+    # and in each block waits for the stage, then stores each row widened and starts the same row's loads for the
+    # next block; nothing is copied raw into the stage
+    key = attn_keys("512+0-h8", "packed")[PATHS["prefill"]]
+    assert key.transposed
+    src = kernel_body(source(key, "cuda"))
+    assert "dsa_cp_async<" not in src and "dsa_widen<" not in src
+    roles = re.split(r"warpgroup_reg_(?:alloc|dealloc)<\d+>", src)[1:]
+
+    def schedule(role):
+        events = re.findall(r"(dsa_ld_row<)|(free[01]\[0\]\.wait)|(dsa_widen_regs<)|(ready[01]\[0\]\.arrive)", role)
+        letters = "".join("L" if ld else "W" if wait else "S" if widen else "A" for ld, wait, widen, _ in events)
+        return re.sub("S+", "S", letters)
+
+    assert schedule(roles[2]) == "LL" + 2 * "WSLSLA"
+    assert schedule(roles[1]).replace("A", "") == "LL" + 3 * "WSLSL"
 
 
 @pytest.mark.parametrize(

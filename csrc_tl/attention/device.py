@@ -36,6 +36,9 @@ WS_CONVERT = helper("convert")
 # rows in place, where the raw values of a row's 128-value group lie in the second of the two lines the
 # group takes widened: see ws_inplace_raw_col), through WS_CONVERT.
 WS_WIDEN = helper("widen")
+# The direct producer's loads of packed rows into registers and their widening from there (WsPlan.direct), through
+# WS_CONVERT.
+WS_DIRECT = helper("direct")
 # Stores and cp.async copies addressed with T.address_of (the in-place, halves and bulk producers).
 WS_COPY = helper("copy")
 # The staged producer's copies of packed rows by the TMA unit (ws_bulk): one bulk copy per row, issued by the
@@ -66,14 +69,16 @@ def prelude(
     split: bool,
     persist: bool,
     transposed: bool = False,
+    direct: bool = False,
 ) -> str | None:
     """The device helpers a warp-specialized kernel of these plan choices calls (see :class:`WsPlan`), or None."""
     has_bar_sync = split or persist
     return (
         (WS_PRELUDE if paired else "")
         + (WS_COPY if inplace or halves or bulk else "")
-        + (WS_CONVERT if calls_widen or bulk else "")
+        + (WS_CONVERT if calls_widen or bulk or direct else "")
         + (WS_WIDEN if calls_widen else "")
+        + (WS_DIRECT if direct else "")
         + (WS_BULK if bulk else "")
         + (WS_STORE if split else "")
         + (WS_PERSIST if persist else "")

@@ -188,3 +188,37 @@ __device__ __forceinline__ void dsa_col_sum_update(const float* s, float* red, f
   const int h = threadIdx.x & 127;
   if (h < HB) sum[h] = sum[h] * alpha[h] + ((red[h] + red[HB + h]) + (red[2 * HB + h] + red[3 * HB + h]));
 }
+// section: direct
+
+// The direct producer over packed rows without a tail (WsPlan.direct): a thread's bytes of a row go from global memory
+// to its registers and, widened, to the bf16 stage. dsa_ld_row loads a thread's lane of one row into r: its
+// kHalfChunks 16-byte chunks of each value half (chunk c of a half at byte (c * 8 + lane) * 16 of the half), the
+// row's four tile scales, and the row's flag `ok` last. The loads are issued here and first read when the row is
+// widened, a block later.
+__device__ __forceinline__ void dsa_ldg16(unsigned* r, const void* p) {
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "l"(p));
+}
+template <int kHalfChunks, int kHalf, int kScale>
+__device__ __forceinline__ void dsa_ld_row(unsigned* r, const void* row, int lane, int ok) {
+  const char* b = reinterpret_cast<const char*>(row);
+#pragma unroll
+  for (int c = 0; c < kHalfChunks; ++c) {
+    dsa_ldg16(r + 4 * c, b + (c * 8 + lane) * 16);
+    dsa_ldg16(r + 4 * (kHalfChunks + c), b + kHalf + (c * 8 + lane) * 16);
+  }
+  dsa_ldg16(r + 8 * kHalfChunks, b + kScale);
+  r[8 * kHalfChunks + 4] = ok;
+}
+// One 16-value chunk r[0..4) of a loaded row (its scales and flag at `row`, see dsa_ld_row) times its tile's scale,
+// widened into 8 bf16 values at d0 and 8 at d1; zeros for an invalid row (whose bytes are row 0's, maybe NaN codes).
+template <int kFlag>
+__device__ __forceinline__ void dsa_widen_regs(const unsigned* r, const unsigned* row, int tile, void* d0, void* d1) {
+  const bool ok = row[kFlag] != 0;
+  const unsigned m = ok ? 0xffffffffu : 0u;
+  const float s = ok ? __uint_as_float(row[kFlag - 4 + tile]) : 0.0f;
+  *reinterpret_cast<uint4*>(d0) = dsa_widen8(r[0] & m, r[1] & m, s, true);
+  *reinterpret_cast<uint4*>(d1) = dsa_widen8(r[2] & m, r[3] & m, s, true);
+}
+template <int kFlag>
+__device__ __forceinline__ void dsa_put_row_flag(int* p, const unsigned* row) { *p = row[kFlag] != 0 ? 1 : 0; }

@@ -220,6 +220,22 @@ def ws_transposed(geo: AttnGeometry, split: bool, most: int | None = None) -> bo
     return geo.heads <= most and ws_supported(geo) and ws_block(geo, split) == 64
 
 
+def ws_direct(geo: AttnGeometry, split: bool, block_i: int = 64) -> bool:
+    """Whether the transposed consumers' prefill over the in-place packed rows of ``geo`` gathers them ``direct``:
+    each producer thread loads its bytes of a row (16-byte chunks, four tile scales) into registers and stores them
+    widened into the bf16 stage, where the in-place producer copies them raw into the stage by cp.async, reads them
+    back and stores them widened. A row crosses shared memory three times instead of five.
+
+    Where: GLM-5.3-Flash's 528-byte rows (no tail) at 8 heads or fewer, the one case it made faster (H100, T 4096:
+    2043 -> 1870 us). Elsewhere it was slower, so fewer crossings are not what bounds those kernels: DeepSeek's
+    656-byte rows at 8 / 16 / 32 heads 2074 / 2229 / 2401 -> 2199 / 2416 / 2702 us, 512+0 at 16 / 32 heads
+    2170 / 2342 -> 2303 / 2626 us (BENCHMARKS.md, design decisions)."""
+    if split or geo.kv_kind != "packed" or geo.d_rope or ws_staged(geo, block_i) or geo.d_v != 4 * QUANT_TILE:
+        return False
+    layout = geo.layout
+    return transposed_head_block(geo.heads) <= 8 and geo.kv_row_width % 16 == 0 and layout.scale_offset % 16 == 0
+
+
 def ws_paired_fits(geo: AttnGeometry, block_i: int) -> bool:
     """Whether the paired scheme of :func:`build_attn_ws` fits in shared memory: q, two stages and two
     probability tiles (warpgroup 0's in its stage's tail where that is as wide as a block)."""
@@ -244,7 +260,8 @@ class WsPlan:
     ``staged`` (FP8 rows raw into raw stages, widened shared-to-shared), ``inplace`` (FP8 rows widened in their bf16
     stage), ``paired`` (each consumer warpgroup scores one block of a pair), ``p0_in_tail`` (warpgroup 0's shared
     probabilities in its stage's tail), ``halves`` (paired over 64-row blocks: FlashMLA's pipeline of stage halves),
-    ``wg1_widens`` (consumer warpgroup 1 widens the last passes of each in-place block, ``wg1_passes``),
+    ``wg1_widens`` (consumer warpgroup 1 widens the last passes of each in-place block, ``wg1_passes``), ``direct``
+    (in-place packed rows loaded into registers and widened from there, not copied raw into the stage first),
     ``persist`` (a persistent prefill of at most ``ctas`` CTAs), ``quarters`` (producer threads mapped to rows by
     quarter warps, :func:`ws_row_lane`), ``bulk`` (staged packed rows by one TMA bulk copy each), ``calls_widen``
     (the producer widens through ``dsa_widen``), ``transposed`` (the few-heads consumers: scores transposed, see
@@ -267,6 +284,7 @@ class WsPlan:
     halves: bool
     lazy_gap: float | None  # (halves) the growth of a row's max, in its score units, that moves the running max
     wg1_widens: bool
+    direct: bool
     persist: bool
     quarters: bool
     bulk: bool
@@ -306,7 +324,14 @@ class WsPlan:
             self.split,
             self.persist,
             self.transposed,
+            self.direct,
         )
+
+    @property
+    def row_words(self) -> int:
+        """(``direct``) 32-bit registers that hold one row's share of a producer thread: its value chunks, the row's
+        four tile scales, its flag (``dsa_ld_row``)."""
+        return 4 * (self.chunks + 1) + 1
 
 
 def ws_plan(
@@ -368,6 +393,7 @@ def ws_plan(
     # (a 6% faster DeepSeek packed prefill); at 16 and 32 heads half was no faster than one pass, nor at 128 heads
     # in the plain consumers (BENCHMARKS.md, design decisions)
     wg1_share = passes // 2 if transposed and hb <= 8 else 1
+    direct = transposed and ws_direct(geo, split, block_i)
     inplace_scheme = "inplace_wg1" if wg1_widens else "inplace"
     scheme = ("paired" if paired else inplace_scheme if inplace else "single", n_prod)
     assert nreg is not None or scheme in WS_NREG, f"no register budgets for {scheme}; pass nreg"
@@ -407,10 +433,11 @@ def ws_plan(
         halves=halves,
         lazy_gap=lazy_gap,
         wg1_widens=wg1_widens,
+        direct=direct,
         persist=persist,
         quarters=quarters,
         bulk=bulk,
-        calls_widen=inplace or (staged and not packed),  # (see widen_raw)
+        calls_widen=(inplace and not direct) or (staged and not packed),  # (see widen_raw)
         half=d_v // 2,
         hb=hb,
         groups=-(-heads // hb),

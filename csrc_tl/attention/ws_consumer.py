@@ -458,11 +458,10 @@ def _consume1_single(
     plan: WsPlan, items: SimpleNamespace, scores: SimpleNamespace, prod: SimpleNamespace
 ) -> SimpleNamespace:
     """Consumer warpgroup 1 of the single scheme."""
-    geo, split, half, hb, n_tiles, persist = plan.geo, plan.split, plan.half, plan.hb, plan.n_tiles, plan.persist
+    geo, split, half, hb, persist = plan.geo, plan.split, plan.half, plan.hb, plan.persist
     wg1_passes, copies_async, wg1_widens = plan.wg1_passes, plan.copies_async, plan.wg1_widens
     transposed = plan.transposed
     heads = geo.heads
-    acc = T.float32
     work, work_items, global_block = items.work, items.work_items, items.global_block
     stage_q, pv_half = scores.stage_q, scores.pv_half
     load_index, produce_inplace = prod.load_index, prod.produce_inplace
@@ -486,7 +485,7 @@ def _consume1_single(
             base[0] = 0
         if wg1_widens:
             nxt1 = T.alloc_local((len(wg1_passes),), T.int32)
-            sc1 = T.alloc_local((len(wg1_passes), n_tiles), acc)
+            sc1 = prod.row_regs(len(wg1_passes))
         for i in work_items(c.n_items):
             t_i, h0_i, first_i, stop_i, n_blk_i, pairs_i, walk_i = work(
                 c.bx, c.by, i, c.topk_length, c.t, c.h0, c.first, c.stop, c.n_blk, c.pairs, c.walk
@@ -497,6 +496,8 @@ def _consume1_single(
             T.fill(c.acc_o_r, 0)
             if wg1_widens:  # (a kernel of one work item: see persist)
                 load_index(c.indices, t_i, first_i, nxt1, 128, wg1_passes)
+                if plan.direct:
+                    prod.prime_direct(c.kv, c.indices, t_i, first_i, stop_i, nxt1, sc1, 128, wg1_passes)
                 if walk_i > 0:
                     produce_inplace(
                         c.kv,

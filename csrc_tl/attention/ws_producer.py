@@ -585,7 +585,78 @@ def _staged_wg_macros(
     return SimpleNamespace(produce_staged_wg=produce_staged_wg)
 
 
-def _inplace_macros(plan: WsPlan, dims, lanes: SimpleNamespace) -> SimpleNamespace:
+def _direct_macros(plan: WsPlan, lanes: SimpleNamespace) -> SimpleNamespace:
+    """The in-place scheme's gather through registers (``direct``): packed rows (without a tail) loaded into
+    registers, widened from there into their bf16 stage."""
+    half, vec, chunks, scale_word = plan.half, plan.vec, plan.chunks, plan.scale_word
+    rows_per_pass, passes = plan.rows_per_pass, plan.passes
+    prow, plane, entry_ok, load_index = lanes.prow, lanes.plane, lanes.entry_ok, lanes.load_index
+    ld_row = f"dsa_ld_row<{chunks // 2}, {half}, {4 * scale_word}>"
+
+    @T.macro
+    def load_row(kv, blk, stop, nxt, regs, k, own, base):
+        """Start the loads of this thread's bytes of its row of pass ``own[k]`` of block ``blk`` (raw index
+        ``nxt[k]``) into ``regs[k, :]`` (``dsa_ld_row``; row 0's bytes, flagged invalid, for an invalid entry)."""
+        tx = T.get_thread_binding() - base
+        j = own[k] * rows_per_pass + prow(tx)
+        ok = entry_ok(blk, j, stop, nxt[k])
+        T.call_extern(
+            "handle",
+            ld_row,
+            T.address_of(regs[k, 0]),
+            T.address_of(kv[T.if_then_else(ok, nxt[k], 0), 0]),
+            plane(tx),
+            T.if_then_else(ok, 1, 0),
+        )
+
+    @T.macro
+    def prime_direct(kv, indices, t, blk, stop, nxt, regs, base=256, mine=None):
+        """Before a warpgroup's first :func:`produce_direct`: the loads of block ``blk``'s rows (raw indices ``nxt``)
+        into ``regs``, then block ``blk + 1``'s indices into ``nxt``."""
+        own = tuple(range(passes)) if mine is None else mine
+        for k in tuple(range(len(own))):
+            load_row(kv, blk, stop, nxt, regs, k, own, base)
+        load_index(indices, t, blk + 1, nxt, base, mine)
+
+    @T.macro
+    def produce_direct(
+        kv, indices, t, blk, stop, nxt, regs, dst_l, dst_r, _dst_t, ok_s, ready, free, phase, base=256, mine=None
+    ):
+        """Fill a stage with top-k block ``blk``, whose rows the previous call (or :func:`prime_direct`) loaded into
+        ``regs`` (``[passes it fills, row_words]``, ``dsa_ld_row``): wait for the stage, store each row widened with
+        its flag, and as soon as a row's registers are free start the loads of the same row of block ``blk + 1``
+        (raw indices ``nxt``); then load block ``blk + 2``'s indices. The loads of a block are so in flight while the
+        one before it is widened and while the producer waits for its stage. ``base`` and ``mine`` as
+        :func:`produce_inplace`."""
+        T.barrier_wait(free, phase ^ 1)
+        tx = T.get_thread_binding() - base
+        lane = plane(tx)
+        own = tuple(range(passes)) if mine is None else mine
+        flag = plan.row_words - 1
+        for k in tuple(range(len(own))):
+            j = own[k] * rows_per_pass + prow(tx)
+            T.call_extern("handle", f"dsa_put_row_flag<{flag}>", T.address_of(ok_s[j]), T.address_of(regs[k, 0]))
+            for c in T.unroll(chunks // 2):  # chunk c of each half lies in tile c of that half
+                col = (c * WS_THREADS_PER_ROW + lane) * vec
+                for dst, at, tile in ((dst_l, c, c), (dst_r, chunks // 2 + c, half // QUANT_TILE + c)):
+                    T.call_extern(
+                        "handle",
+                        f"dsa_widen_regs<{flag}>",
+                        T.address_of(regs[k, 4 * at]),
+                        T.address_of(regs[k, 0]),
+                        tile,
+                        T.address_of(dst[j, col]),
+                        T.address_of(dst[j, col + 8]),
+                    )
+            load_row(kv, blk + 1, stop, nxt, regs, k, own, base)
+        load_index(indices, t, blk + 2, nxt, base, mine)
+        T.fence_proxy_async()
+        T.barrier_arrive(ready)
+
+    return SimpleNamespace(prime_direct=prime_direct, produce_direct=produce_direct)
+
+
+def _inplace_macros(plan: WsPlan, dims, lanes: SimpleNamespace, direct: SimpleNamespace) -> SimpleNamespace:
     """The in-place scheme (``inplace``): FP8 rows copied raw into their bf16 stage and widened there."""
     geo, split, half, packed, row_w = plan.geo, plan.split, plan.half, plan.packed, plan.row_w
     scale_word, rope_half, vec, chunks = plan.scale_word, plan.rope_half, plan.vec, plan.chunks
@@ -675,15 +746,25 @@ def _inplace_macros(plan: WsPlan, dims, lanes: SimpleNamespace) -> SimpleNamespa
         T.fence_proxy_async()
         T.barrier_arrive(ready)
 
+    fill = direct.produce_direct if direct else produce_inplace
+
+    def row_regs(n_own: int):
+        """Registers for the rows of ``n_own`` passes: their words (``direct``), or the packed rows' scales."""
+        if plan.direct:
+            return T.alloc_local((n_own, plan.row_words), T.uint32)
+        return T.alloc_local((n_own, n_tiles), acc) if packed else None
+
     @T.macro
     def produce_inplace_wg(c):
         """The producer warpgroup of the in-place scheme (``inplace``): each pair's blocks widened in their stages."""
         n_own = passes if prod_passes is None else len(prod_passes)
         nxt = T.alloc_local((n_own,), T.int32)
-        sc = T.alloc_local((n_own, n_tiles), acc) if packed else None  # the rows' scales
+        sc = row_regs(n_own)
         load_index(c.indices, c.t, c.first, nxt, 256, prod_passes)
+        if plan.direct:
+            direct.prime_direct(c.kv, c.indices, c.t, c.first, c.stop, nxt, sc, 256, prod_passes)
         for pair in T.serial(c.pairs):
-            produce_inplace(
+            fill(
                 c.kv,
                 c.indices,
                 c.t,
@@ -702,7 +783,7 @@ def _inplace_macros(plan: WsPlan, dims, lanes: SimpleNamespace) -> SimpleNamespa
                 prod_passes,
             )
             if not split or 2 * pair + 1 < c.n_blk:  # (a split kernel walks no padding block)
-                produce_inplace(
+                fill(
                     c.kv,
                     c.indices,
                     c.t,
@@ -721,7 +802,9 @@ def _inplace_macros(plan: WsPlan, dims, lanes: SimpleNamespace) -> SimpleNamespa
                     prod_passes,
                 )
 
-    return SimpleNamespace(produce_inplace=produce_inplace, produce_inplace_wg=produce_inplace_wg)
+    return SimpleNamespace(
+        fill=fill, prime=direct and direct.prime_direct, row_regs=row_regs, produce_inplace_wg=produce_inplace_wg
+    )
 
 
 def producer_macros(plan: WsPlan, dims, items: SimpleNamespace) -> SimpleNamespace:
@@ -733,10 +816,12 @@ def producer_macros(plan: WsPlan, dims, items: SimpleNamespace) -> SimpleNamespa
     bf16 = _bf16_macros(plan, lanes)
     raw = _raw_macros(plan, dims, lanes)
     staged = _staged_wg_macros(plan, lanes, raw, _staged_macros(plan, lanes, raw), items)
-    inplace = _inplace_macros(plan, dims, lanes)
+    inplace = _inplace_macros(plan, dims, lanes, _direct_macros(plan, lanes) if plan.direct else None)
     return SimpleNamespace(
         load_index=lanes.load_index,
-        produce_inplace=inplace.produce_inplace,
+        produce_inplace=inplace.fill,
+        prime_direct=inplace.prime,
+        row_regs=inplace.row_regs,
         inplace=inplace.produce_inplace_wg,
         staged=staged.produce_staged_wg,
         halves=bf16.produce_halves_wg,
