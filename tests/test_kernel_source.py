@@ -461,7 +461,7 @@ def test_decode_split_plan(tokens, heads, topk, min_blocks, splits):
         ("packed", "glm-256+0-h64", 190, 2048, "cuda", "attn_prefill_ws"),  # 58 tokens left: only 2 splits
         ("bf16", "deepseek-512+64-h128", 4096, 2048, "cuda", "attn_prefill_ws"),  # one CTA per item: every token
         ("packed", "glm-256+0-h64", 4096, 2048, "hip", "attn_prefill"),
-        ("packed", "512+0-h16", 1, 2048, "cuda", "attn_decode_ws x16 + combine"),
+        ("packed", "512+0-h16", 1, 2048, "cuda", "attn_decode_ws x32 + combine"),  # transposed: one block a split
         ("bf16", "512+0-h16", 1, 2048, "hip", "attn_decode x32 + combine"),
     ],
     ids=lambda v: "{}+{}-h{}".format(*v) if isinstance(v, tuple) else None,

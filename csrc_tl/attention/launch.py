@@ -34,8 +34,11 @@ __all__ = [
 # always takes 64-row blocks): a split is whole blocks of a token's top-k range, whose width is a multiple of it.
 TOPK_BLOCK = DEFAULT_TILES["decode"]["block_i"]
 
-# The warp-specialized split kernel wants two top-k blocks per split or more: with one its producer has nothing to
-# gather while the consumers compute.
+# Top-k blocks the warp-specialized split kernel keeps a split at least: with one its producer has no next block to
+# gather while the consumers compute. The transposed consumers' split kernels (1-32 heads) take one block or more: at
+# T 1 and 4, 32 splits of one block of a 2048-wide top-k were faster than 16 of two (H100, DeepSeek packed T 1: 8 heads
+# 8.8 -> 7.4 us, 16 heads 9.5 -> 7.7; T 4: 9.6 -> 8.4 and 10.7 -> 9.4; BENCHMARKS.md). At 128 heads one block a split
+# was faster too (T 1 12.0 -> 10.7 us), but the plain consumers' GPU tests have not run so.
 WS_SPLIT_BLOCKS = 2
 
 # The last, partial round of a persistent prefill (items not a multiple of its CTAs, one per SM) keeps a few SMs busy
@@ -166,11 +169,11 @@ def plan_launch(
     :func:`plan_splits` splits their top-k ranges (a decode: too few (token, head block) items to fill the GPU),
     else the prefill takes them, all but a persistent prefill's last partial round (:func:`plan_tail`).
     GLM packed prefill T 4096 at 64 heads on 132 SMs, sm_90: the persistent prefill over 4092 tokens, the last 4
-    in 16 splits; a decode T 1 at 64 heads: 16 splits of the warp-specialized split kernel (32 of the portable
-    one elsewhere)."""
+    in 16 splits; a decode T 1 at 64 heads: 16 splits of the warp-specialized split kernel (32 of the transposed
+    one at 32 heads or fewer, and of the portable one elsewhere)."""
     assert tokens >= 1, "a call of no tokens launches nothing"
     kernels = attn_kernels(geo, sm90, sm_count, transposed, sink, max_logits)
-    min_blocks = WS_SPLIT_BLOCKS if kernels.split.warp_specialized else 1
+    min_blocks = WS_SPLIT_BLOCKS if kernels.split.warp_specialized and not kernels.split.transposed else 1
     splits = plan_splits(tokens, geo.heads, topk, sm_count, min_blocks)
     if splits > 1:
         return AttnLaunch(kernels, tokens, 0, splits)
