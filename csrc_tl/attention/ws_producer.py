@@ -1,6 +1,7 @@
 """The producer warpgroups of a warp-specialized kernel: macros that gather the top-k rows of each block into the
 stages, one scheme per plan (:class:`csrc_tl.attention.plan.WsPlan`): bf16 rows by cp.async into whole stages or
-stage halves, FP8 rows staged raw and widened shared-to-shared (cp.async or TMA bulk copies), or widened in place."""
+stage halves, FP8 rows staged raw and widened shared-to-shared (cp.async or TMA bulk copies), or widened in place
+(packed rows of the transposed prefill at few heads: through registers, ``direct``)."""
 
 from types import SimpleNamespace
 
@@ -657,7 +658,8 @@ def _direct_macros(plan: WsPlan, lanes: SimpleNamespace) -> SimpleNamespace:
 
 
 def _inplace_macros(plan: WsPlan, dims, lanes: SimpleNamespace, direct: SimpleNamespace) -> SimpleNamespace:
-    """The in-place scheme (``inplace``): FP8 rows copied raw into their bf16 stage and widened there."""
+    """The in-place scheme (``inplace``): FP8 rows copied raw into their bf16 stage and widened there, or with
+    ``direct`` (:func:`_direct_macros`) loaded into registers and widened into it from there."""
     geo, split, half, packed, row_w = plan.geo, plan.split, plan.half, plan.packed, plan.row_w
     scale_word, rope_half, vec, chunks = plan.scale_word, plan.rope_half, plan.vec, plan.chunks
     tail_chunks, n_tiles, piece, tail_piece = plan.tail_chunks, plan.n_tiles, plan.piece, plan.tail_piece
@@ -809,8 +811,9 @@ def _inplace_macros(plan: WsPlan, dims, lanes: SimpleNamespace, direct: SimpleNa
 
 def producer_macros(plan: WsPlan, dims, items: SimpleNamespace) -> SimpleNamespace:
     """The producer macros of ``plan`` over the dynamic sizes ``dims`` and the work items ``items``
-    (:func:`csrc_tl.attention.ws_work.work_helpers`): ``load_index`` and ``produce_inplace`` (which consumer
-    warpgroup 1 also runs where ``plan.wg1_widens``), and per scheme the whole body of the producer warpgroups
+    (:func:`csrc_tl.attention.ws_work.work_helpers`): ``load_index``, ``produce_inplace``, ``row_regs`` and (with
+    ``plan.direct``) ``prime_direct``, which consumer warpgroup 1 also runs where ``plan.wg1_widens``, and per scheme
+    the whole body of the producer warpgroups
     (``inplace``, ``staged``, ``halves``, ``bf16``), each taking the kernel's buffers and indices ``c``."""
     lanes = _lane_macros(plan, dims)
     bf16 = _bf16_macros(plan, lanes)
