@@ -491,3 +491,18 @@ def test_transposed_consumers_at_tensor_parallel_shards(heads, kind, d_v, d_rope
     assert not attn_kernels(geo, False, 132).split.transposed
     plain = attn_kernels(geo, True, 132, transposed=False)
     assert not plain.prefill.transposed and not plain.split.transposed
+
+
+@pytest.mark.parametrize("heads", [1, 8, 16, 32, 64, 128])
+@pytest.mark.parametrize("tokens, one_block, two_blocks", [(1, 32, 16), (4, 32, 16), (64, 2, 2)])
+def test_decode_splits_by_consumers(heads, tokens, one_block, two_blocks):
+    """A decode of a 2048-wide top-k: the transposed split kernels (up to 32 heads) take one top-k block a split, the
+    plain ones (64-head blocks) two, each within one wave of 132 SMs (the bench's crossover: BENCHMARKS.md)."""
+    geo = geometry("packed", 512, 64, heads=heads)
+    launch = plan_launch(geo, tokens, 2048, 132, True)
+    items = tokens * -(-heads // 64)
+    if launch.kernels.split.transposed:
+        assert launch.splits == one_block
+    else:  # (T 64 at 128 heads: 128 items fill the GPU, the prefill takes them)
+        assert launch.splits == (two_blocks if items * two_blocks <= 132 else 1)
+    assert items * launch.splits <= 132
