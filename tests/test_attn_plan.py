@@ -34,7 +34,7 @@ from csrc_tl.attention.launch import (
     attn_kernels,
     plan_launch,
 )
-from csrc_tl.attention.plan import DEFAULT_CTAS, WS_NREG, WS_NREG_TRANSPOSED
+from csrc_tl.attention.plan import DEFAULT_CTAS, WS_NREG, WS_NREG_DIRECT
 
 
 def geometry(
@@ -238,7 +238,7 @@ def test_few_heads_of_tailless_packed_rows_go_through_registers(heads):
     plan = ws_plan(AttnGeometry(512, 0, heads, "packed", True, 0.1), transposed=True)
     assert plan.inplace and plan.direct and plan.wg1_widens and not plan.calls_widen
     assert plan.row_words == 4 * (4 + 1) + 1  # four value chunks, the scales, the flag
-    assert plan.nreg == WS_NREG_TRANSPOSED[plan.scheme]
+    assert plan.nreg == WS_NREG_DIRECT[plan.scheme]
     text = plan.prelude
     assert "dsa_ld_row" in text and "dsa_widen8" in text and "dsa_widen<" not in text
 

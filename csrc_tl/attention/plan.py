@@ -44,6 +44,11 @@ WS_NREG = {
 # output half, a [64, hb] score tile), so the in-place producer over packed rows takes registers from warpgroup 0
 # (at (224, 184, 96) ptxas spilled 24 bytes in the 512+0 prefill at 16 heads, sm_90a)
 WS_NREG_TRANSPOSED = {("inplace_wg1", 1): (208, 184, 112)}
+# ... and where the producer gathers the rows through registers (``direct``): it holds a block's share of each row
+# (row_words registers a row and pass it fills) while the next one's loads are in flight. H100, GLM-5.3-Flash packed
+# prefill at 8 heads: 2019.7 us at (208, 184, 112) (no spills), 1869.6 at (200, 184, 120), on two machines whose
+# DeepSeek packed prefill at 8 heads took 2073.5 and 2083.6 us.
+WS_NREG_DIRECT = {("inplace_wg1", 1): (200, 184, 120)}
 
 
 def check_ws_nreg(nreg: tuple[int, int, int], producers: int) -> None:
@@ -398,7 +403,10 @@ def ws_plan(
     scheme = ("paired" if paired else inplace_scheme if inplace else "single", n_prod)
     assert nreg is not None or scheme in WS_NREG, f"no register budgets for {scheme}; pass nreg"
     if nreg is None:
-        nreg = WS_NREG_TRANSPOSED.get(scheme, WS_NREG[scheme]) if transposed else WS_NREG[scheme]
+        if direct:
+            nreg = WS_NREG_DIRECT[scheme]
+        else:
+            nreg = WS_NREG_TRANSPOSED.get(scheme, WS_NREG[scheme]) if transposed else WS_NREG[scheme]
     check_ws_nreg(nreg, n_prod)
 
     # A persistent prefill (ws_persistent): a grid of at most `ctas` CTAs, each of which walks the work items (token,
