@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from csrc_tl.attention import head_block
+from csrc_tl.attention.plan import ws_plan
 from sparse_dsa_ops import KCacheLayout, _cuda, reference
 from sparse_dsa_ops.ops import FAMILIES
 from tests.nvcc import assert_no_serialized_wgmma, assert_no_spills, compile_sm90a, needs_nvcc
@@ -177,6 +178,8 @@ def test_attention_sources(name, kind, target):
         for key in keys[:2]:
             # the prefill over staged packed rows without a tail copies each row by one TMA bulk copy
             bulk = staged and kind == "packed" and not ATTN[name][1] and key.family == "attn_prefill_ws"
+            # packed rows of the transposed prefill at 8 heads or fewer go through registers: no copies at all
+            direct = ws_plan(key.geo, split=key.split, transposed=key.transposed).direct
             # Each warpgroup role syncs its own warps only through named barriers no other role uses:
             # a shared id lets warps of two roles complete each other's barrier, a timing-dependent
             # deadlock (TileLang 0.1.15 gave the producer the first consumer's id after a cp.async wait).
@@ -193,8 +196,9 @@ def test_attention_sources(name, kind, target):
             # that land on the raw stage's barrier) and widened shared-to-shared, wider ones copied raw
             # into their own stage and widened there (each thread waits for its own copies; in place,
             # each row's lanes after a warp sync: dsa_widen<kScaled, kSync = true>)
-            assert ("cp_async" in roles[2]) == (not bulk)
-            assert ("cp_async_wait" in roles[2]) == (kind != "bf16" and not bulk)
+            assert ("cp_async" in roles[2]) == (not bulk and not direct)
+            assert ("cp_async_wait" in roles[2]) == (kind != "bf16" and not bulk and not direct)
+            assert ("dsa_ld_row<" in roles[2]) == direct
             assert ("dsa_bulk_row<256, 264>(" in roles[2]) == bulk
             if bulk:
                 # no barrier among the producer threads (TileLang's planner put two in every pass around
@@ -204,7 +208,8 @@ def test_attention_sources(name, kind, target):
                 assert roles[2].count("dsa_bulk_reuse();") == 5
                 assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in source(key, target)
             assert bool(re.search(r"dsa_widen<false, false>\(", roles[2])) == (kind == "fp8" and staged)
-            assert bool(re.search(r"dsa_widen<(true|false), true>\(", roles[2])) == (kind != "bf16" and not staged)
+            widened_in_place = kind != "bf16" and not staged and not direct
+            assert bool(re.search(r"dsa_widen<(true|false), true>\(", roles[2])) == widened_in_place
             # no barrier among the producer threads inside the loop of widening calls (TileLang puts one
             # there when it sees the stage's reads and writes through T.access_ptr; it cost ~10% at
             # DeepSeek geometry)
@@ -215,9 +220,10 @@ def test_attention_sources(name, kind, target):
             )
             assert ("mbarrier_cp_async_arrive_noinc" in roles[2]) == (kind == "bf16")
             if kind != "bf16" and not staged:
-                # rows widened in place: no barrier among the producer threads at all (TileLang put three
-                # per pass and block around copies and valid flags it saw; ~5% at DeepSeek geometry)
+                # rows widened in place or through registers: no barrier among the producer threads at all
+                # (TileLang put three per pass and block around copies and valid flags it saw; ~5% at DeepSeek geometry)
                 assert "__sync_thread_partial" not in roles[2]
+            if widened_in_place:
                 assert "dsa_cp_async<16>" in roles[2] and "cp_async_gs_conditional" not in roles[2]
                 # one copy group per pass, each widened as soon as it lands (not after the whole block)
                 assert "dsa_cp_async_wait(" in roles[2] and "tl::cp_async_wait<0>" not in roles[2]
