@@ -106,12 +106,6 @@ def _pad_topk(indices: torch.Tensor) -> torch.Tensor:
     return indices if pad == 0 else F.pad(indices, (0, pad), value=INVALID_INDEX)
 
 
-def _lonely_lse(lse: torch.Tensor) -> torch.Tensor:
-    """The ops' lse (``-inf`` for a row with no valid entry) in FlashMLA's convention (``+inf`` there), in place: one
-    elementwise pass over the op's own output (a comparison and a select were two, about 2 us each in a decode)."""
-    return lse.nan_to_num_(nan=math.nan, posinf=math.inf, neginf=math.inf)
-
-
 def flash_mla_sparse_fwd(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -158,8 +152,8 @@ def flash_mla_sparse_fwd(
         _unsupported("kv", f"one KV head (h_kv = 1) only, got kv of shape {list(kv.shape)}")
     scale = float(sm_scale)
     idx = _pad_topk(indices)
-    out, lse, max_logits = ops.sparse_attn_with_max_logits(q, kv, idx, scale, d_v, topk_length, attn_sink)
-    return out, max_logits, _lonely_lse(lse)
+    out, lse, max_logits = ops.sparse_attn_with_max_logits(q, kv, idx, scale, d_v, topk_length, attn_sink, math.inf)
+    return out, max_logits, lse
 
 
 def _check_decode_mode(
@@ -281,8 +275,8 @@ def flash_mla_with_kvcache(
     idx = _pad_topk(indices.reshape(rows, indices.shape[2]))
     # FlashMLA's lengths are per request; the op's are per token: each request's length for each of its tokens
     lengths = None if topk_length is None else topk_length.reshape(b, 1).expand(b, s_q).reshape(rows)
-    out, lse = ops.sparse_attn(q.reshape(rows, h_q, d_qk), pool, idx, scale, head_dim_v, lengths, attn_sink)
-    return out.view(b, s_q, h_q, head_dim_v), _lonely_lse(lse).view(b, s_q, h_q).transpose(1, 2)
+    out, lse = ops.sparse_attn(q.reshape(rows, h_q, d_qk), pool, idx, scale, head_dim_v, lengths, attn_sink, math.inf)
+    return out.view(b, s_q, h_q, head_dim_v), lse.view(b, s_q, h_q).transpose(1, 2)
 
 
 def bench_cases() -> list[dict]:

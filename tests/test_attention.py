@@ -119,6 +119,22 @@ def test_empty_pool_and_empty_batch(gen):
     assert out.shape == (0, 4, 256) and lse.shape == (0, 4)
 
 
+@pytest.mark.parametrize("empty_lse", [math.inf, 0.0, -math.inf])
+def test_empty_lse(gen, empty_lse):
+    # rows without a valid entry (token 1: all -1; token 2: topk_length 0) take empty_lse, the others are unchanged
+    kv = torch.randn(100, 256, generator=gen).bfloat16()
+    q = torch.randn(3, 4, 256, generator=gen).bfloat16()
+    idx = torch.randint(0, 100, (3, 64), generator=gen, dtype=torch.int32)
+    idx[1] = -1
+    lengths = torch.tensor([64, 64, 0], dtype=torch.int32)
+    for f in (dsa.sparse_attn, dsa.sparse_attn_with_max_logits):
+        base = f(q, kv, idx, 0.1, 256, lengths)
+        got = f(q, kv, idx, 0.1, 256, lengths, None, empty_lse)
+        assert torch.equal(got[0], base[0]) and torch.equal(got[1][0], base[1][0])
+        assert (got[1][1:] == empty_lse).all() and (base[1][1:] == -math.inf).all()
+        assert all(torch.equal(g, b) for g, b in zip(got[2:], base[2:]))
+
+
 def test_value_width_is_a_prefix(gen):
     # d_v narrower than d_nope is the caller's choice: V is the first d_v columns
     kv = torch.randn(100, 576, generator=gen).bfloat16()

@@ -371,7 +371,8 @@ COMBINE_CASES = [
     COMBINE_CASES,
     ids=[f"dv{d}-h{h}-ns{n}{'-ws' if w else ''}" for d, h, n, w in COMBINE_CASES],
 )
-def test_combine_against_float64(d_v, heads, splits, ws):
+@pytest.mark.parametrize("empty_lse", [-math.inf, math.inf], ids=["neginf", "posinf"])
+def test_combine_against_float64(d_v, heads, splits, ws, empty_lse):
     # the split partials of 5 tokens: the first split of every token empty, token 1 empty in every split,
     # token 2 non-empty only in the last split (so the running max starts at -inf chunk after chunk);
     # NaN in the padding rows of the partial output
@@ -391,16 +392,16 @@ def test_combine_against_float64(d_v, heads, splits, ws):
     weight = torch.exp(part_lse.double() - top.nan_to_num(neginf=0)).nan_to_num()  # [T, NS, H]
     total = weight.sum(dim=1)  # [T, H]
     want_out = (weight[..., None] * part_out[:, :, :heads].double()).sum(dim=1) / total.clamp_min(1e-300)[..., None]
-    want_lse = torch.where(total > 0, top[:, 0] + total.log(), -math.inf)
+    want_lse = torch.where(total > 0, top[:, 0] + total.log(), empty_lse)
     key = CombineKey(d_v, heads, padded)
     dsa._cuda.warmup([key], progress=False)
     poison_allocator()
     out = torch.empty(t_count, heads, d_v, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(t_count, heads, device="cuda")
-    dsa._cuda.kernel(key)(part_out.cuda(), part_lse.cuda(), out, lse)
+    dsa._cuda.kernel(key)(part_out.cuda(), part_lse.cuda(), out, lse, empty_lse)
     out, lse = out.cpu(), lse.cpu()
     assert torch.equal(lse.isinf(), want_lse.isinf()) and not lse.isnan().any()
-    assert (out[1] == 0).all() and (lse[1] == -math.inf).all()
+    assert (out[1] == 0).all() and (lse[1] == empty_lse).all()
     assert torch.allclose(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
     assert torch.allclose(out.double(), want_out, rtol=2**-7, atol=1e-6)  # one rounding to bf16
 

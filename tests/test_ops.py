@@ -1,5 +1,6 @@
 """The torch.library contract: schemas, opcheck, torch.compile and the argument checker."""
 
+import math
 import subprocess
 import sys
 
@@ -32,9 +33,10 @@ def test_schemas_are_exact():
         "gather_k_cache": "dsa::gather_k_cache(Tensor cache, Tensor indices) -> Tensor",
         "gather_dequant_k_cache": "dsa::gather_dequant_k_cache(Tensor cache, Tensor indices) -> Tensor",
         "sparse_attn": "dsa::sparse_attn(Tensor q, Tensor kv, Tensor indices, float sm_scale, int d_v, "
-        "Tensor? topk_length=None, Tensor? attn_sink=None) -> (Tensor, Tensor)",
+        "Tensor? topk_length=None, Tensor? attn_sink=None, float? empty_lse=None) -> (Tensor, Tensor)",
         "sparse_attn_with_max_logits": "dsa::sparse_attn_with_max_logits(Tensor q, Tensor kv, Tensor indices, "
-        "float sm_scale, int d_v, Tensor? topk_length=None, Tensor? attn_sink=None) -> (Tensor, Tensor, Tensor)",
+        "float sm_scale, int d_v, Tensor? topk_length=None, Tensor? attn_sink=None, float? empty_lse=None) "
+        "-> (Tensor, Tensor, Tensor)",
         "attn_max_logits": "dsa::attn_max_logits(Tensor q, Tensor kv, Tensor indices, float sm_scale, int d_v, "
         "Tensor? topk_length=None) -> Tensor",
         "quant_index": "dsa::quant_index(Tensor x, bool round_scale=False) -> (Tensor, Tensor)",
@@ -100,6 +102,7 @@ def _op_samples(gen):
         ),
         "max-logits": ("attn_max_logits", (q, pool, idx, 0.05, 512, lengths)),
         "attn-with-max-logits": ("sparse_attn_with_max_logits", (q, pool, idx, 0.05, 512, lengths, sink)),
+        "attn-empty-lse": ("sparse_attn_with_max_logits", (q, pool, idx, 0.05, 512, lengths, None, math.inf)),
     }
 
 
@@ -384,6 +387,12 @@ BAD_CALLS = {
         (_z(2, 8, 256), _z(8, 256), _z(2, 64, dtype=I32), float("nan"), 256),
         ValueError,
         "sm_scale must be a finite float",
+    ),
+    "attn-empty-lse-nan": (
+        dsa.sparse_attn,
+        (_z(2, 8, 256), _z(8, 256), _z(2, 64, dtype=I32), 0.1, 256, None, None, float("nan")),
+        TypeError,
+        "empty_lse must be a float",
     ),
     "attn-kv-heads": (
         dsa.sparse_attn,

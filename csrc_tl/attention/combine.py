@@ -12,9 +12,10 @@ COMBINE_CHUNK = 16
 
 def build_combine(d_v: int, heads: int, part_heads: int, pdl: bool = False, sink: bool = False):  # noqa: C901 (one kernel body: its loads, folds and stores)
     """Merge split partials: ``(part_out [T, NS, part_heads, d_v] bf16, part_lse [T, NS, H] f32,
-    [attn_sink [H] f32,] out [T, H, d_v] bf16, lse [T, H] f32)``; splits with lse -inf weigh nothing, and if all
-    are -inf out is 0 and lse -inf. With ``sink``, ``exp(attn_sink[h])`` joins the denominator of ``out`` (not
-    ``lse``): ``out = sum / (sum + exp(attn_sink - lse))`` in the merged terms, still 0 for an empty row.
+    [attn_sink [H] f32,] out [T, H, d_v] bf16, lse [T, H] f32, empty_lse f32)``; splits with lse -inf weigh nothing,
+    and if all are -inf out is 0 and lse ``empty_lse`` (-inf in the ops' own convention, +inf in FlashMLA's).
+    With ``sink``, ``exp(attn_sink[h])`` joins the denominator of ``out`` (not ``lse``):
+    ``out = sum / (sum + exp(attn_sink - lse))`` in the merged terms, still 0 for an empty row.
 
     A head's row takes ``d_v / 8`` threads (several heads per block where that is under a block), each
     loading 8 columns; a thread loads the LSEs and columns of :data:`COMBINE_CHUNK` splits at once and
@@ -39,7 +40,7 @@ def build_combine(d_v: int, heads: int, part_heads: int, pdl: bool = False, sink
     lse_t = T.Tensor((t_count, heads), T.float32)
 
     @T.macro
-    def merge(part_out, part_lse, attn_sink, out, lse):
+    def merge(part_out, part_lse, attn_sink, out, lse, empty_lse):
         with T.Kernel(T.ceildiv(heads, per_block), t_count, threads=COMBINE_THREADS) as (hx, t):
             if pdl:
                 T.pdl_sync()
@@ -106,20 +107,25 @@ def build_combine(d_v: int, heads: int, part_heads: int, pdl: bool = False, sink
                                 acc[c, v] * (total[0] if attn_sink is None else scale[0]), T.bfloat16
                             )
                 if lane == 0:
-                    lse[t, h] = T.if_then_else(top[0] != neg_inf, top[0] - T.log(total[0]), neg_inf)
+                    lse[t, h] = T.if_then_else(top[0] != neg_inf, top[0] - T.log(total[0]), empty_lse)
 
     if sink:
 
         @T.prim_func
         def combine(
-            part_out: part_out_t, part_lse: part_lse_t, attn_sink: T.Tensor((heads,), T.float32), out: out_t, lse: lse_t
+            part_out: part_out_t,
+            part_lse: part_lse_t,
+            attn_sink: T.Tensor((heads,), T.float32),
+            out: out_t,
+            lse: lse_t,
+            empty_lse: T.float32,
         ):
-            merge(part_out, part_lse, attn_sink, out, lse)
+            merge(part_out, part_lse, attn_sink, out, lse, empty_lse)
 
         return combine
 
     @T.prim_func
-    def combine(part_out: part_out_t, part_lse: part_lse_t, out: out_t, lse: lse_t):
-        merge(part_out, part_lse, None, out, lse)
+    def combine(part_out: part_out_t, part_lse: part_lse_t, out: out_t, lse: lse_t, empty_lse: T.float32):
+        merge(part_out, part_lse, None, out, lse, empty_lse)
 
     return combine

@@ -4,6 +4,7 @@ which kernels, how many splits) and the launches."""
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterable
 
 import torch
@@ -158,20 +159,25 @@ def _sm_count_here() -> int:
 
 
 @takes_checked
-def sparse_attn(args: AttnArgs, q, kv, indices, sm_scale, d_v, topk_length=None, attn_sink=None):
-    return _attend(args, q, kv, indices, sm_scale, d_v, topk_length, attn_sink, None)
+def sparse_attn(args: AttnArgs, q, kv, indices, sm_scale, d_v, topk_length=None, attn_sink=None, empty_lse=None):
+    return _attend(args, q, kv, indices, sm_scale, d_v, topk_length, attn_sink, None, empty_lse)
 
 
 @takes_checked
-def sparse_attn_with_max_logits(args: AttnArgs, q, kv, indices, sm_scale, d_v, topk_length=None, attn_sink=None):
+def sparse_attn_with_max_logits(
+    args: AttnArgs, q, kv, indices, sm_scale, d_v, topk_length=None, attn_sink=None, empty_lse=None
+):
     max_logits = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
-    out, lse = _attend(args, q, kv, indices, sm_scale, d_v, topk_length, attn_sink, max_logits)
+    out, lse = _attend(args, q, kv, indices, sm_scale, d_v, topk_length, attn_sink, max_logits, empty_lse)
     return out, lse, max_logits
 
 
-def _attend(args: AttnArgs, q, kv, indices, sm_scale, d_v, topk_length, attn_sink, max_logits, transposed=None):
+def _attend(
+    args: AttnArgs, q, kv, indices, sm_scale, d_v, topk_length, attn_sink, max_logits, empty_lse=None, transposed=None
+):
     """``(out, lse)`` of ``sparse_attn``, and ``max_logits`` filled in place where given (``transposed=False``: the
-    plain consumers at any head count, the bench's same-run comparison; see :func:`plan_attn`)."""
+    plain consumers at any head count, the bench's same-run comparison; see :func:`plan_attn`). Empty rows' lse is
+    ``empty_lse`` (-inf when None): the combine writes it; after a prefill kernel (which writes -inf) one pass."""
     t_count, heads, d_qk = q.shape
     out = torch.empty(t_count, heads, d_v, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(t_count, heads, dtype=torch.float32, device=q.device)
@@ -180,7 +186,7 @@ def _attend(args: AttnArgs, q, kv, indices, sm_scale, d_v, topk_length, attn_sin
     if args.topk == 0 or args.pool.slots == 0:
         if max_logits is not None:
             max_logits.fill_(float("-inf"))
-        return out.zero_(), lse.fill_(float("-inf"))
+        return out.zero_(), lse.fill_(-math.inf if empty_lse is None else empty_lse)
     pool = pool_rows(kv, args.pool, args.kv_kind == "packed")
     check_pool("sparse_attn", "kv", pool, pool.shape[1] * pool.element_size())
     idx = pool_slots(indices.reshape(t_count, args.topk), args.pool)
@@ -209,6 +215,8 @@ def _attend(args: AttnArgs, q, kv, indices, sm_scale, d_v, topk_length, attn_sin
             kernel(plan.prefill)(rows[0], pool, *rows[1:], sink, _rows(out, 0, main), _rows(lse, 0, main), best)
         else:
             kernel(plan.prefill)(rows[0], pool, *rows[1:], _rows(out, 0, main), _rows(lse, 0, main))
+        if empty_lse is not None and empty_lse != -math.inf:  # one elementwise pass (a compare and a fill are two)
+            _rows(lse, 0, main).nan_to_num_(nan=math.nan, posinf=math.inf, neginf=empty_lse)
     if plan.split:  # the rest (a decode's tokens, or a persistent prefill's last round)
         rows = [aligned(_rows(x, main, t_count)) for x in inputs]
         part_out = torch.empty(
@@ -217,7 +225,8 @@ def _attend(args: AttnArgs, q, kv, indices, sm_scale, d_v, topk_length, attn_sin
         part_lse = torch.empty(t_count - main, plan.splits, heads, dtype=torch.float32, device=q.device)
         sink = () if attn_sink is None else (aligned(attn_sink),)  # the combine folds it into its normalization
         kernel(plan.split[0])(rows[0], pool, *rows[1:], part_out, part_lse)
-        kernel(plan.split[1])(part_out, part_lse, *sink, _rows(out, main, t_count), _rows(lse, main, t_count))
+        empty = -math.inf if empty_lse is None else empty_lse
+        kernel(plan.split[1])(part_out, part_lse, *sink, _rows(out, main, t_count), _rows(lse, main, t_count), empty)
         if max_logits is not None:  # the split kernels keep no row maxima: a second pass over these tokens' rows
             lengths = None if topk_length is None else topk_length[main:]
             best = attn_max_logits(args, q[main:], kv, indices[main:], sm_scale, d_v, lengths)

@@ -73,7 +73,7 @@ def _kv_kind(kv: torch.Tensor, d_qk: int) -> str:
     return "fp8" if kv.dtype == _FP8 and kv.shape[-1] == d_qk else "packed"
 
 
-def check_sparse_attn(q, kv, indices, sm_scale, d_v, topk_length=None, attn_sink=None) -> AttnArgs:
+def check_sparse_attn(q, kv, indices, sm_scale, d_v, topk_length=None, attn_sink=None, empty_lse=None) -> AttnArgs:
     op = "sparse_attn"
     view = _pool(op, "kv", kv, (torch.bfloat16, *_PACKED_DTYPES), None, any_stride=True)
     if not isinstance(q, torch.Tensor):
@@ -114,6 +114,8 @@ def check_sparse_attn(q, kv, indices, sm_scale, d_v, topk_length=None, attn_sink
         _vector(op, "topk_length", topk_length, torch.int32, q.shape[0], kv.device, "token of q")
     if attn_sink is not None:
         _vector(op, "attn_sink", attn_sink, torch.float32, q.shape[1], kv.device, "head of q")
+    if empty_lse is not None and (not isinstance(empty_lse, float) or math.isnan(empty_lse)):
+        _fail(op, "empty_lse", "a float (not NaN) or None", empty_lse, TypeError)
     return AttnArgs(kind, d_qk, d_v, topk, layout, view, q.dtype == _FP8)
 
 
@@ -123,10 +125,10 @@ def check_attn_max_logits(q, kv, indices, sm_scale, d_v, topk_length=None) -> At
 
 @_declare(
     "(Tensor q, Tensor kv, Tensor indices, float sm_scale, int d_v, Tensor? topk_length=None, "
-    "Tensor? attn_sink=None) -> (Tensor, Tensor)",
+    "Tensor? attn_sink=None, float? empty_lse=None) -> (Tensor, Tensor)",
     check_sparse_attn,
 )
-def _fake_sparse_attn(args, q, kv, indices, sm_scale, d_v, topk_length=None, attn_sink=None):
+def _fake_sparse_attn(args, q, kv, indices, sm_scale, d_v, topk_length=None, attn_sink=None, empty_lse=None):
     out = q.new_empty((q.shape[0], q.shape[1], d_v), dtype=torch.bfloat16)
     lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
     return out, lse
@@ -134,10 +136,12 @@ def _fake_sparse_attn(args, q, kv, indices, sm_scale, d_v, topk_length=None, att
 
 @_declare(
     "(Tensor q, Tensor kv, Tensor indices, float sm_scale, int d_v, Tensor? topk_length=None, "
-    "Tensor? attn_sink=None) -> (Tensor, Tensor, Tensor)",
+    "Tensor? attn_sink=None, float? empty_lse=None) -> (Tensor, Tensor, Tensor)",
     check_sparse_attn,
 )
-def _fake_sparse_attn_with_max_logits(args, q, kv, indices, sm_scale, d_v, topk_length=None, attn_sink=None):
+def _fake_sparse_attn_with_max_logits(
+    args, q, kv, indices, sm_scale, d_v, topk_length=None, attn_sink=None, empty_lse=None
+):
     out, lse = _fake_sparse_attn(args, q, kv, indices, sm_scale, d_v)
     return out, lse, torch.empty_like(lse)
 
@@ -158,6 +162,7 @@ def sparse_attn(
     d_v: int,
     topk_length: torch.Tensor | None = None,
     attn_sink: torch.Tensor | None = None,
+    empty_lse: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-style sparse attention: each token attends to its own top-k rows of one latent KV head.
 
@@ -183,6 +188,9 @@ def sparse_attn(
     attn_sink : [H] float32 or None
         A per-head logit that joins each row's softmax denominator only: ``out`` is scaled by
         ``1 / (1 + exp(attn_sink[h] - lse[t, h]))``; ``lse`` does not include it.
+    empty_lse : float or None
+        The ``lse`` of a token with no valid entry: ``-inf`` when None; FlashMLA's convention is ``+inf``. A split
+        decode writes it in its combine, so it costs no extra pass there.
 
     Returns
     -------
@@ -191,10 +199,10 @@ def sparse_attn(
     lse : [T, H] float32
         Natural-log log-sum-exp of the scaled scores over valid j.
 
-    A token with no valid entry gets ``out = 0`` and ``lse = -inf``, never NaN. Exact definition:
-    ``reference.sparse_attn``.
+    A token with no valid entry gets ``out = 0`` and ``lse = empty_lse`` (``-inf`` by default), never NaN. Exact
+    definition: ``reference.sparse_attn``.
     """
-    return torch.ops.dsa.sparse_attn(q, kv, indices, sm_scale, d_v, topk_length, attn_sink)
+    return torch.ops.dsa.sparse_attn(q, kv, indices, sm_scale, d_v, topk_length, attn_sink, empty_lse)
 
 
 def sparse_attn_with_max_logits(
@@ -205,6 +213,7 @@ def sparse_attn_with_max_logits(
     d_v: int,
     topk_length: torch.Tensor | None = None,
     attn_sink: torch.Tensor | None = None,
+    empty_lse: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`sparse_attn` (same arguments) that also returns each row's largest scaled score, as FlashMLA's prefill
     does: ``(out [T, H, d_v] bf16, lse [T, H] fp32, max_logits [T, H] fp32)``.
@@ -214,7 +223,7 @@ def sparse_attn_with_max_logits(
     it; tokens that take the split decode path get it from :func:`attn_max_logits`. Exact definition:
     ``reference.sparse_attn_with_max_logits``.
     """
-    return torch.ops.dsa.sparse_attn_with_max_logits(q, kv, indices, sm_scale, d_v, topk_length, attn_sink)
+    return torch.ops.dsa.sparse_attn_with_max_logits(q, kv, indices, sm_scale, d_v, topk_length, attn_sink, empty_lse)
 
 
 def attn_max_logits(

@@ -34,22 +34,24 @@ def sparse_attn(
     d_v: int,
     topk_length: torch.Tensor | None = None,
     attn_sink: torch.Tensor | None = None,
+    empty_lse: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse attention of ``q [T, H, d_qk]`` over the rows ``indices [T, K]`` of ``kv``.
 
     Returns ``out [T, H, d_v]`` bf16 and the natural-log ``lse [T, H]`` float32. Entries outside
     ``[0, S)`` or at positions ``>= topk_length[t]`` count for nothing and their rows are not used;
-    a token with no valid entry gets ``out = 0`` and ``lse = -inf``. A pool of packed rows (uint8, int8 or
-    float8_e4m3fn, wider than d_qk) is read as ``dequant_k_cache(kv)``; a float8_e4m3fn pool of width d_qk is used
-    as its raw values. ``attn_sink [H]`` joins each row's denominator: ``out`` is the softmax-weighted sum times
-    ``1 / (1 + exp(attn_sink[h] - lse))``, and ``lse`` leaves the sink out.
+    a token with no valid entry gets ``out = 0`` and ``lse = empty_lse`` (``-inf`` when None). A pool of packed
+    rows (uint8, int8 or float8_e4m3fn, wider than d_qk) is read as ``dequant_k_cache(kv)``; a float8_e4m3fn pool of
+    width d_qk is used as its raw values. ``attn_sink [H]`` joins each row's denominator: ``out`` is the
+    softmax-weighted sum times ``1 / (1 + exp(attn_sink[h] - lse))``, and ``lse`` leaves the sink out.
     """
     t_count, heads, d_qk = q.shape
     indices = indices.reshape(t_count, indices.shape[-1])  # [T, K]
     topk = indices.shape[1]
     num_slots = flatten_pool(kv).shape[0]
     out = torch.zeros(t_count, heads, d_v, dtype=torch.bfloat16, device=q.device)  # [T, H, d_v]
-    lse = torch.full((t_count, heads), float("-inf"), dtype=torch.float32, device=q.device)  # [T, H]
+    empty = float("-inf") if empty_lse is None else empty_lse
+    lse = torch.full((t_count, heads), empty, dtype=torch.float32, device=q.device)  # [T, H]
     if t_count == 0 or topk == 0 or num_slots == 0:
         return out, lse
 
@@ -77,7 +79,7 @@ def sparse_attn(
         else:
             total_out = torch.where(total == 0, 1.0, total)
         out[start:stop] = (acc / total_out).to(torch.bfloat16)
-        lse[start:stop] = (row_max + torch.log(total)).squeeze(-1)  # log 0 = -inf for empty rows
+        lse[start:stop] = torch.where(total == 0, empty, row_max + torch.log(total)).squeeze(-1)  # [t, H]
     return out, lse
 
 
@@ -89,9 +91,10 @@ def sparse_attn_with_max_logits(
     d_v: int,
     topk_length: torch.Tensor | None = None,
     attn_sink: torch.Tensor | None = None,
+    empty_lse: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`sparse_attn`'s ``(out, lse)`` and :func:`attn_max_logits`'s ``max_logits [T, H]`` of the same call."""
-    out, lse = sparse_attn(q, kv, indices, sm_scale, d_v, topk_length, attn_sink)
+    out, lse = sparse_attn(q, kv, indices, sm_scale, d_v, topk_length, attn_sink, empty_lse)
     return out, lse, attn_max_logits(q, kv, indices, sm_scale, d_v, topk_length)
 
 
