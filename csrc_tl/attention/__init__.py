@@ -73,7 +73,7 @@ _EXPORTS = {
         "plan_splits",
         "plan_tail",
         "TOPK_BLOCK",
-        "TAIL_SPLIT_BLOCKS",
+        "WS_SPLIT_BLOCKS",
         "TAIL_MIN_BLOCKS",
         "TAIL_MIN_SPLITS",
     ),
