@@ -34,7 +34,7 @@ from csrc_tl.attention.launch import (
     attn_kernels,
     plan_launch,
 )
-from csrc_tl.attention.plan import DEFAULT_CTAS, WS_NREG, WS_NREG_DIRECT
+from csrc_tl.attention.plan import CONSUMER_SCHEMES, DEFAULT_CTAS, ROW_SCHEMES, WS_NREG, WS_NREG_DIRECT
 
 
 def geometry(
@@ -506,3 +506,27 @@ def test_decode_splits_by_consumers(heads, tokens, one_block, two_blocks):
     else:  # (T 64 at 128 heads: 128 items fill the GPU, the prefill takes them)
         assert launch.splits == (two_blocks if items * two_blocks <= 132 else 1)
     assert items * launch.splits <= 132
+
+
+@pytest.mark.parametrize(
+    "kind, d_v, d_rope, heads, options, rows, consumers",
+    [
+        ("bf16", 512, 64, 128, {}, "async", "halves"),  # FlashMLA's pipeline
+        ("bf16", 256, 0, 64, {}, "async", "paired"),
+        ("packed", 512, 64, 128, {}, "inplace", "single"),  # no room for raw stages beside the bf16 ones
+        ("packed", 512, 64, 128, {"split": True}, "inplace", "single"),
+        ("packed", 256, 0, 64, {}, "bulk", "single"),  # 264-byte rows, 8-byte aligned: a TMA bulk copy each
+        ("fp8", 256, 0, 64, {}, "staged", "single"),
+        ("bf16", 512, 64, 16, {"transposed": True}, "async", "transposed"),
+        ("packed", 512, 64, 8, {"transposed": True}, "inplace", "transposed"),
+        ("packed", 512, 0, 8, {"transposed": True}, "direct", "transposed"),  # GLM-5.3-Flash's rows at 8 heads
+        ("packed", 512, 0, 16, {"transposed": True}, "inplace", "transposed"),
+    ],
+)
+def test_plan_row_and_consumer_schemes(kind, d_v, d_rope, heads, options, rows, consumers):
+    """Each kernel's two scheme values, and the flags the kernel builders read follow from them."""
+    plan = ws_plan(geometry(kind, d_v, d_rope, heads=heads), **options)
+    assert (plan.rows, plan.consumers) == (rows, consumers)
+    assert rows in ROW_SCHEMES and consumers in CONSUMER_SCHEMES
+    assert plan.staged == (rows in ("staged", "bulk")) and plan.inplace == (rows in ("inplace", "direct"))
+    assert plan.paired == (consumers in ("paired", "halves")) and plan.transposed == (consumers == "transposed")

@@ -257,42 +257,44 @@ def ws_paired_fits(geo: AttnGeometry, block_i: int) -> bool:
 WS_PASS_CONFIGS = {"tl.enable_fast_math": True}
 
 
+# How a warp-specialized kernel's rows reach the bf16 stages its GEMMs read (WsPlan.rows): "async" (bf16 rows by
+# cp.async straight into a stage), "staged" (FP8 rows raw into raw stages by cp.async, widened shared-to-shared),
+# "bulk" (staged, each raw row by one TMA bulk copy), "inplace" (FP8 rows copied raw into their bf16 stage and widened
+# there), "direct" (in place, loaded into registers and widened from there, no raw copy in shared memory)
+ROW_SCHEMES = ("async", "staged", "bulk", "inplace", "direct")
+# How its consumer warpgroups share a block (WsPlan.consumers): "single" (warpgroup 0 scores each block, both take a
+# value half of the output), "paired" (each scores one block of a pair), "halves" (paired over 64-row blocks:
+# FlashMLA's pipeline of stage halves), "transposed" (the few-heads consumers: scores transposed, see ws_transposed)
+CONSUMER_SCHEMES = ("single", "paired", "halves", "transposed")
+
+
 @dataclass(frozen=True)
 class WsPlan:
     """Every choice of a warp-specialized kernel and every size derived from them (made by :func:`ws_plan`).
 
-    The flags: ``split`` (the decode kernel), ``copies_async`` (bf16 rows by cp.async straight into a stage),
-    ``staged`` (FP8 rows raw into raw stages, widened shared-to-shared), ``inplace`` (FP8 rows widened in their bf16
-    stage), ``paired`` (each consumer warpgroup scores one block of a pair), ``p0_in_tail`` (warpgroup 0's shared
-    probabilities in its stage's tail), ``halves`` (paired over 64-row blocks: FlashMLA's pipeline of stage halves),
-    ``wg1_widens`` (consumer warpgroup 1 widens the last passes of each in-place block, ``wg1_passes``), ``direct``
-    (in-place packed rows loaded into registers and widened from there, not copied raw into the stage first),
-    ``persist`` (a persistent prefill of at most ``ctas`` CTAs), ``quarters`` (producer threads mapped to rows by
-    quarter warps, :func:`ws_row_lane`), ``bulk`` (staged packed rows by one TMA bulk copy each), ``calls_widen``
-    (the producer widens through ``dsa_widen``), ``transposed`` (the few-heads consumers: scores transposed, see
-    :func:`ws_transposed`)."""
+    The two schemes, ``rows`` (:data:`ROW_SCHEMES`) and ``consumers`` (:data:`CONSUMER_SCHEMES`), and what refines
+    them: ``split`` (the decode kernel), ``p0_in_tail`` (warpgroup 0's shared probabilities in its stage's tail),
+    ``wg1_widens`` (consumer warpgroup 1 widens the last passes of each in-place block, ``wg1_passes``), ``persist``
+    (a persistent prefill of at most ``ctas`` CTAs), ``quarters`` (producer threads mapped to rows by quarter warps,
+    :func:`ws_row_lane`), ``calls_widen`` (the producer widens through ``dsa_widen``). The schemes' flags
+    (``copies_async``, ``staged``, ``bulk``, ``inplace``, ``direct``; ``paired``, ``halves``, ``transposed``) are
+    properties of them."""
 
     geo: AttnGeometry
     split: bool
-    transposed: bool  # scores as [block_i, hb] (keys as the GEMM's M, heads as its N) and the output as [d_v, hb]
+    rows: str  # ROW_SCHEMES
+    consumers: str  # CONSUMER_SCHEMES
     sink_max: bool  # (a prefill) takes an attention sink, writes each row's max (AttnKey.sink_max)
     block_i: int  # top-k rows of a block (of a stage)
     n_prod: int  # producer warpgroups
     nreg: tuple[int, int, int]  # setmaxnreg budgets: consumer warpgroups 0 and 1, each producer warpgroup
     scheme: tuple[str, int]  # (consumer scheme, producers): the key of WS_NREG
     ctas: int
-    copies_async: bool
-    staged: bool
-    inplace: bool
-    paired: bool
     p0_in_tail: bool
-    halves: bool
     lazy_gap: float | None  # (halves) the growth of a row's max, in its score units, that moves the running max
     wg1_widens: bool
-    direct: bool
     persist: bool
     quarters: bool
-    bulk: bool
     calls_widen: bool
     half: int  # value columns of each consumer warpgroup's half
     hb: int  # heads of a block (the GEMMs' M tile)
@@ -316,6 +318,39 @@ class WsPlan:
     n_tiles: int  # quantization tiles of a packed row's values
     piece: int  # bytes of one cp.async of FP8 values (row starts are piece-aligned)
     tail_piece: int  # elements of one cp.async of a staged row's tail
+
+    @property
+    def copies_async(self) -> bool:
+        return self.rows == "async"
+
+    @property
+    def staged(self) -> bool:
+        return self.rows in ("staged", "bulk")
+
+    @property
+    def bulk(self) -> bool:
+        return self.rows == "bulk"
+
+    @property
+    def inplace(self) -> bool:
+        return self.rows in ("inplace", "direct")
+
+    @property
+    def direct(self) -> bool:
+        return self.rows == "direct"
+
+    @property
+    def paired(self) -> bool:
+        return self.consumers in ("paired", "halves")
+
+    @property
+    def halves(self) -> bool:
+        return self.consumers == "halves"
+
+    @property
+    def transposed(self) -> bool:
+        """Scores as ``[block_i, hb]`` (keys as the GEMM's M, heads as its N) and the output as ``[d_v, hb]``."""
+        return self.consumers == "transposed"
 
     @property
     def prelude(self) -> str | None:
@@ -423,28 +458,24 @@ def ws_plan(
     assert not bulk or (staged and packed and not d_tail), "bulk copies: staged packed rows without a tail"
     # (a persistent kernel's items have a multiple of 4 producer blocks there, so the landing phases restart with each)
     assert not (bulk and persist) or subs % 2 == 0, "persistent bulk copies need stages of an even number of raw blocks"
+    rows = "async" if copies_async else ("bulk" if bulk else "staged") if staged else "direct" if direct else "inplace"
+    consumers = "transposed" if transposed else ("halves" if halves else "paired") if paired else "single"
     return WsPlan(
         geo=geo,
         split=split,
-        transposed=transposed,
+        rows=rows,
+        consumers=consumers,
         sink_max=sink_max,
         block_i=block_i,
         n_prod=n_prod,
         nreg=nreg,
         scheme=scheme,
         ctas=ctas,
-        copies_async=copies_async,
-        staged=staged,
-        inplace=inplace,
-        paired=paired,
         p0_in_tail=p0_in_tail,
-        halves=halves,
         lazy_gap=lazy_gap,
         wg1_widens=wg1_widens,
-        direct=direct,
         persist=persist,
         quarters=quarters,
-        bulk=bulk,
         calls_widen=(inplace and not direct) or (staged and not packed),  # (see widen_raw)
         half=d_v // 2,
         hb=hb,
