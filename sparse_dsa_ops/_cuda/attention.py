@@ -179,6 +179,7 @@ def _attend(
     plain consumers at any head count, the bench's same-run comparison; see :func:`plan_attn`). Empty rows' lse is
     ``empty_lse`` (-inf when None): the combine writes it; after a prefill kernel (which writes -inf) one pass."""
     t_count, heads, d_qk = q.shape
+    empty = -math.inf if empty_lse is None else empty_lse
     out = torch.empty(t_count, heads, d_v, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(t_count, heads, dtype=torch.float32, device=q.device)
     if t_count == 0:
@@ -186,7 +187,7 @@ def _attend(
     if args.topk == 0 or args.pool.slots == 0:
         if max_logits is not None:
             max_logits.fill_(float("-inf"))
-        return out.zero_(), lse.fill_(-math.inf if empty_lse is None else empty_lse)
+        return out.zero_(), lse.fill_(empty)
     pool = pool_rows(kv, args.pool, args.kv_kind == "packed")
     check_pool("sparse_attn", "kv", pool, pool.shape[1] * pool.element_size())
     idx = pool_slots(indices.reshape(t_count, args.topk), args.pool)
@@ -215,8 +216,8 @@ def _attend(
             kernel(plan.prefill)(rows[0], pool, *rows[1:], sink, _rows(out, 0, main), _rows(lse, 0, main), best)
         else:
             kernel(plan.prefill)(rows[0], pool, *rows[1:], _rows(out, 0, main), _rows(lse, 0, main))
-        if empty_lse is not None and empty_lse != -math.inf:  # one elementwise pass (a compare and a fill are two)
-            _rows(lse, 0, main).nan_to_num_(nan=math.nan, posinf=math.inf, neginf=empty_lse)
+        if empty != -math.inf:  # one elementwise pass (a compare and a fill are two)
+            _rows(lse, 0, main).nan_to_num_(nan=math.nan, posinf=math.inf, neginf=empty)
     if plan.split:  # the rest (a decode's tokens, or a persistent prefill's last round)
         rows = [aligned(_rows(x, main, t_count)) for x in inputs]
         part_out = torch.empty(
@@ -225,7 +226,6 @@ def _attend(
         part_lse = torch.empty(t_count - main, plan.splits, heads, dtype=torch.float32, device=q.device)
         sink = () if attn_sink is None else (aligned(attn_sink),)  # the combine folds it into its normalization
         kernel(plan.split[0])(rows[0], pool, *rows[1:], part_out, part_lse)
-        empty = -math.inf if empty_lse is None else empty_lse
         kernel(plan.split[1])(part_out, part_lse, *sink, _rows(out, main, t_count), _rows(lse, main, t_count), empty)
         if max_logits is not None:  # the split kernels keep no row maxima: a second pass over these tokens' rows
             lengths = None if topk_length is None else topk_length[main:]
