@@ -12,14 +12,16 @@ The paged index-K cache is ``[P, page * (D + 4)]`` uint8: page p holds ``page * 
 to a power of two, exactly), ``values = fp8(clamp(x / scale, -448, 448))`` with the IEEE float32 division and the
 round-to-nearest-even, saturating cast.
 
-Logits: ``logits[t, j] = k_scale[j] * sum_h w[t, h] * relu(q[t, h] . k[j])``, the dot of the FP8 (or bf16) values
-in float32, over each row's valid keys, -inf elsewhere. The work is a GEMM of a key block ``[64, D]`` (the tensor
-core's M) by a query block ``[BT * Hp, D]`` (its N; Hp the heads padded to a power of two, BT tokens so that
-BT * Hp = 128), whose accumulator each thread reduces over the heads it holds (a butterfly over the 4 lanes of a
-quad completes the sum). On sm_90 (``ws`` keys) the kernels are warp-specialized: a producer warp loads key blocks
-by TMA into shared stages, and the consumer warpgroups run FP8 wgmma and the epilogue; the prefill's two consumer
-warpgroups take alternate key blocks and order their GEMMs (ping-pong) so that one's epilogue runs under the other's
-GEMM. Other targets (and bf16 queries) run a portable kernel of the same tiling with ``T.gemm``.
+Logits: ``logits[t, j] = k_scale[j] * sum_h w[t, h] * relu(q[t, h] . k[j])``, the dot of the FP8 (or bf16) values in
+float32, over each row's valid keys, -inf elsewhere. The work is a GEMM of a key block ``[64, D]`` (the tensor
+core's M) by a query block ``[BT * Hp, D]`` (its N; Hp the heads padded to a power of two, BT tokens so that BT * Hp
+= 128), whose accumulator each thread reduces over the heads it holds (the 4 lanes of a quad complete the sum: a
+butterfly in the portable and decode kernels; in the warp-specialized prefill, whose query block pads the heads to
+at least 8, a reduce-scatter after which each lane stores a quarter of its key row's tokens). On sm_90 (``ws`` keys)
+the kernels are warp-specialized: a producer warp loads key blocks by TMA into shared stages, and the consumer
+warpgroups run FP8 wgmma and the epilogue; the prefill's two consumer warpgroups take alternate key blocks and order
+their GEMMs (ping-pong) so that one's epilogue runs under the other's GEMM. Other targets (and bf16 queries) run a
+portable kernel of the same tiling with ``T.gemm``.
 
 Nothing is read or written out of bounds for any index value: slots outside ``[0, P * page)`` are skipped by stores
 and give zeros (scale 0) in gathers; page-table entries outside ``[0, P)`` and positions at or past a row's length
@@ -30,6 +32,7 @@ never stored.
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import tilelang.language as T
 
@@ -83,6 +86,11 @@ LOGITS_CHUNK = 16384
 LOGITS_MIN_COLS = 2048
 LOGITS_WAVES = 2
 WS_STAGES = 3  # shared key stages per consumer warpgroup of the prefill
+# Heads of the warp-specialized prefill's query block at least (fewer are padded with zero weights): from 8 a column
+# group of the accumulator lies in one token, which the epilogue's reduce-scatter over a key row's four lanes needs.
+WS_MIN_HP = 8
+# The warp-specialized prefill's epilogue (dsa_index_weights, dsa_index_block), injected into its kernel's prelude.
+WS_EPILOGUE = Path(__file__).with_name("indexer_epilogue.cuh").read_text()
 WS_NREG = (216, 72)  # setmaxnreg budgets of the prefill: consumer warpgroups, producer warpgroup (3 x 168 at launch)
 PAGED_SPLIT_TOKENS = 1024  # positions per decode CTA (at least): a 128K-token row spreads over 128 CTAs
 PAGED_STAGES = 4  # shared tile stages of the decode consumer
@@ -430,9 +438,10 @@ def default_split_pages(page: int) -> int:
     return unit * max(1, -(-PAGED_SPLIT_TOKENS // (unit * page)))
 
 
-def head_padding(heads: int) -> tuple[int, int]:
-    """``(hp, bt)``: the heads padded to a power of two, and the tokens of a query block (``bt * hp = 128``)."""
-    hp = _pow2_at_least(heads)
+def head_padding(heads: int, ws: bool = False) -> tuple[int, int]:
+    """``(hp, bt)``: the heads padded to a power of two (at least WS_MIN_HP for the warp-specialized prefill,
+    ``ws``), and the tokens of a query block (``bt * hp = 128``)."""
+    hp = max(_pow2_at_least(heads), WS_MIN_HP if ws else 1)
     return hp, max(1, QN // hp)
 
 
@@ -583,7 +592,7 @@ def _build_logits_ws(key: IndexLogitsKey):
     warpgroup 0's i-th, so that each one's epilogue (relu, weights, the sum over heads, stores) overlaps the
     other's GEMM."""
     dim, heads = key.dim, key.heads
-    hp, bt = head_padding(heads)
+    hp, bt = head_padding(heads, ws=True)
     stages = WS_STAGES
     fill_lanes = 96  # the producer's warps 1-3
     q_chunks = QN * dim // 16  # 16-byte chunks of the query block
@@ -592,31 +601,10 @@ def _build_logits_ws(key: IndexLogitsKey):
 
     @T.macro
     def consume(
-        g,
-        k_s,
-        sc_s,
-        full,
-        empty,
-        turn,
-        q_ready,
-        q_s,
-        acc,
-        lg,
-        w,
-        sc,
-        weights,
-        logits,
-        tok_lo,
-        tok_hi,
-        rng,
-        t0,
-        b0,
-        nb,
+        g, k_s, sc_s, full, empty, turn, q_ready, q_s, acc, w, scale, weights, logits, tok_lo, tok_hi, rng, t0, b0, nb
     ):
-        for i, h in T.Parallel(bt, hp):
-            w[i, h] = T.if_then_else(
-                (h < heads) & (t0 + i < t_count), weights[T.min(t0 + i, t_count - 1), T.min(h, heads - 1)], 0.0
-            )
+        tx = T.get_thread_binding()
+        T.call_extern("handle", f"dsa_index_weights<{hp}>", weights.data, heads, t0, t_count, w.data)
         T.barrier_wait(q_ready, 0)
         for it in T.serial((nb - g + 1) // 2):
             s = it % stages
@@ -628,11 +616,25 @@ def _build_logits_ws(key: IndexLogitsKey):
             T.wgmma_gemm(k_s[s, :, :], q_s, acc, transpose_B=True, clear_accum=True)
             T.barrier_arrive(turn[1 - g])
             T.wait_wgmma(0)
-            for j in T.Parallel(BN):
-                sc[j] = sc_s[s, j]
+            # the scale of the key row this thread stores (dsa_index_block), read before the stage is released
+            scale[0] = sc_s[s, tx % 128 // 32 * 16 + tx % 32 // 4 + tx % 2 * 8]
             T.barrier_arrive(empty[s])
-            _relu_weigh_reduce(acc, w, lg, bt, hp)
-            _store_block(logits, lg, sc, tok_lo, tok_hi, rng, t0, (b0 + 2 * it + g) * BN, t_count, bt)
+            j0 = (b0 + 2 * it + g) * BN
+            T.call_extern(
+                "handle",
+                f"dsa_index_block<{hp}>",
+                acc.data,
+                w.data,
+                scale[0],
+                logits.data,
+                T.cast(logits.shape[1], T.int64),
+                t0,
+                t_count,
+                j0,
+                T.address_of(tok_lo[0]),
+                T.address_of(tok_hi[0]),
+                (j0 >= rng[2]) & (j0 + BN <= rng[3]),
+            )
 
     @T.prim_func
     def index_logits(
@@ -645,7 +647,7 @@ def _build_logits_ws(key: IndexLogitsKey):
         logits: T.Tensor((t_count, n_count), T.float32),
         cols: T.int32,
     ):
-        with T.Kernel(T.ceildiv(t_count, bt), T.ceildiv(n_count, cols), threads=384) as (bx, by):
+        with T.Kernel(T.ceildiv(t_count, bt), T.ceildiv(n_count, cols), threads=384, prelude=WS_EPILOGUE) as (bx, by):
             q_s = T.alloc_shared((QN, dim), T.float8_e4m3fn)
             k_s0 = T.alloc_shared((stages, BN, dim), T.float8_e4m3fn)
             k_s1 = T.alloc_shared((stages, BN, dim), T.float8_e4m3fn)
@@ -661,12 +663,10 @@ def _build_logits_ws(key: IndexLogitsKey):
             q_ready = T.alloc_barrier(128)
             acc0 = T.alloc_fragment((BN, QN), T.float32)
             acc1 = T.alloc_fragment((BN, QN), T.float32)
-            lg0 = T.alloc_fragment((BN, bt), T.float32)
-            lg1 = T.alloc_fragment((BN, bt), T.float32)
-            w0 = T.alloc_fragment((bt, hp), T.float32)
-            w1 = T.alloc_fragment((bt, hp), T.float32)
-            sc0 = T.alloc_fragment((BN,), T.float32)
-            sc1 = T.alloc_fragment((BN,), T.float32)
+            w0 = T.alloc_local((QN // 4,), T.float32)  # the weights of a thread's accumulator columns
+            w1 = T.alloc_local((QN // 4,), T.float32)
+            scale0 = T.alloc_local((1,), T.float32)
+            scale1 = T.alloc_local((1,), T.float32)
             rng = T.alloc_local((4,), T.int32)
             t0 = bx * bt
             c0 = by * cols
@@ -719,9 +719,8 @@ def _build_logits_ws(key: IndexLogitsKey):
                     q_ready,
                     q_s,
                     acc0,
-                    lg0,
                     w0,
-                    sc0,
+                    scale0,
                     weights,
                     logits,
                     tok_lo,
@@ -743,9 +742,8 @@ def _build_logits_ws(key: IndexLogitsKey):
                     q_ready,
                     q_s,
                     acc1,
-                    lg1,
                     w1,
-                    sc1,
+                    scale1,
                     weights,
                     logits,
                     tok_lo,
