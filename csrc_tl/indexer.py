@@ -459,12 +459,12 @@ def paged_ws_supported(dim: int, heads: int, page: int, q_dtype: str) -> bool:
     return ws_supported(dim, heads, q_dtype) and fits
 
 
-def logits_cols(tokens: int, heads: int, keys: int, sms: int) -> int:
-    """The ``cols`` argument of the prefill kernel for ``tokens`` queries of ``heads`` heads against ``keys`` keys on
-    ``sms`` SMs: LOGITS_CHUNK where the token blocks fill the GPU; fewer (a multiple of 64, at least
-    LOGITS_MIN_COLS) where they do not (a chunk of ``index_topk``, a short prompt), so that the CTAs number about
-    LOGITS_WAVES an SM."""
-    blocks = -(-max(tokens, 1) // head_padding(heads)[1])
+def logits_cols(tokens: int, heads: int, keys: int, sms: int, ws: bool = True) -> int:
+    """The ``cols`` argument of the prefill kernel (warp-specialized where ``ws``, else the portable one: their token
+    blocks, :func:`head_padding`) for ``tokens`` queries of ``heads`` heads against ``keys`` keys on ``sms`` SMs:
+    LOGITS_CHUNK where the token blocks fill the GPU; fewer (a multiple of 64, at least LOGITS_MIN_COLS) where they do
+    not (a chunk of ``index_topk``, a short prompt), so that the CTAs number about LOGITS_WAVES an SM."""
+    blocks = -(-max(tokens, 1) // head_padding(heads, ws)[1])
     cols = -(-blocks * max(keys, 1) // (LOGITS_WAVES * max(sms, 1)))
     return min(LOGITS_CHUNK, max(LOGITS_MIN_COLS, -(-cols // BN) * BN))
 

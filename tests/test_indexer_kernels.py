@@ -107,11 +107,18 @@ def test_key_names_spell_the_specialization():
         (220, 8, 65536, 3520),  # at 8 heads, 14 blocks of 16 tokens: 19 chunks each, about 2 CTAs an SM
         (1, 8, 65536, ix.LOGITS_MIN_COLS),  # one token: the smallest chunks
         (300, 1, 100, ix.LOGITS_MIN_COLS),  # fewer keys than the smallest chunk
+        (4096, 1, 65536, ix.LOGITS_CHUNK),  # one head: the warp-specialized kernel's blocks of 16 tokens fill the GPU
     ],
 )
 def test_prefill_columns_a_cta_fill_the_gpu(tokens, heads, keys, cols):
     got = ix.logits_cols(tokens, heads, keys, 132)
     assert got == cols and got % ix.BN == 0
+
+
+def test_prefill_columns_follow_the_portable_kernels_blocks():
+    # one head: the portable kernel's 32 blocks of 128 tokens take 8000 columns a CTA for about 2 CTAs an SM
+    assert ix.head_padding(1) == (1, 128) and ix.head_padding(1, ws=True) == (ix.WS_MIN_HP, 16)
+    assert ix.logits_cols(4096, 1, 65536, 132, ws=False) == 8000
 
 
 @pytest.mark.parametrize(
