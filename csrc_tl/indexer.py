@@ -459,7 +459,7 @@ def paged_ws_supported(dim: int, heads: int, page: int, q_dtype: str) -> bool:
     return ws_supported(dim, heads, q_dtype) and fits
 
 
-def logits_cols(tokens: int, heads: int, keys: int, sms: int, ws: bool = True) -> int:
+def logits_cols(tokens: int, heads: int, keys: int, sms: int, ws: bool) -> int:
     """The ``cols`` argument of the prefill kernel (warp-specialized where ``ws``, else the portable one: their token
     blocks, :func:`head_padding`) for ``tokens`` queries of ``heads`` heads against ``keys`` keys on ``sms`` SMs:
     LOGITS_CHUNK where the token blocks fill the GPU; fewer (a multiple of 64, at least LOGITS_MIN_COLS) where they do
@@ -603,7 +603,6 @@ def _build_logits_ws(key: IndexLogitsKey):
     def consume(
         g, k_s, sc_s, full, empty, turn, q_ready, q_s, acc, w, scale, weights, logits, tok_lo, tok_hi, rng, t0, b0, nb
     ):
-        tx = T.get_thread_binding()
         T.call_extern("handle", f"dsa_index_weights<{hp}>", weights.data, heads, t0, t_count, w.data)
         T.barrier_wait(q_ready, 0)
         for it in T.serial((nb - g + 1) // 2):
@@ -616,8 +615,8 @@ def _build_logits_ws(key: IndexLogitsKey):
             T.wgmma_gemm(k_s[s, :, :], q_s, acc, transpose_B=True, clear_accum=True)
             T.barrier_arrive(turn[1 - g])
             T.wait_wgmma(0)
-            # the scale of the key row this thread stores (dsa_index_block), read before the stage is released
-            scale[0] = sc_s[s, tx % 128 // 32 * 16 + tx % 32 // 4 + tx % 2 * 8]
+            # the scale of the key row this thread stores, read before the stage is released
+            scale[0] = sc_s[s, T.call_extern(T.int32, "dsa_index_row")]
             T.barrier_arrive(empty[s])
             j0 = (b0 + 2 * it + g) * BN
             T.call_extern(

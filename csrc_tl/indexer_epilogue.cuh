@@ -1,8 +1,15 @@
-// The epilogue of the warp-specialized prefill logits (csrc_tl/indexer.py), injected verbatim into its kernel's prelude.
-// A consumer warpgroup holds the score tile acc [64 keys, 128 columns] of one key block in wgmma's accumulator layout:
-// a thread's value 4 * b + 2 * r + c is key row 16 * warp + lane / 4 + 8 * r and column 8 * b + 2 * (lane % 4) + c,
-// a column being token * HP + head (HP >= 8: a column group b lies in one token, and the four lanes of a key row hold
-// all heads of its tokens). A thread's weights w[2 * b + c] are those of the same columns.
+// The epilogue of the warp-specialized prefill logits (csrc_tl/indexer.py), injected verbatim into its kernel's
+// prelude. A consumer warpgroup holds the score tile acc [64 keys, 128 columns] of one key block in wgmma's accumulator
+// layout: a thread's value 4 * b + 2 * r + c is key row 16 * warp + lane / 4 + 8 * r and column 8 * b + 2 * (lane % 4)
+// + c, a column being token * HP + head (HP >= 8: a column group b lies in one token, and the four lanes of a key row
+// hold all heads of its tokens). A thread's weights w[2 * b + c] are those of the same columns.
+
+// The key row of the block whose values this thread stores after dsa_index_block's reduce-scatter (its scale is read
+// by the kernel before the stage is released).
+__device__ __forceinline__ int dsa_index_row() {
+  const int lane = threadIdx.x & 31;
+  return 16 * ((threadIdx.x >> 5) & 3) + (lane >> 2) + 8 * (lane & 1);
+}
 
 // The weights of a thread's columns: weights[t0 + token, head] ([T, heads] float32), 0 for padded heads and for
 // tokens at or past t_count.
@@ -19,12 +26,13 @@ __device__ __forceinline__ void dsa_index_weights(const float* weights, int head
   }
 }
 
-// One key block's logits: for each token, the sum over its heads of w * relu(acc), times the key's `scale`, stored at
-// logits[t0 + token, j0 + key row] ([t_count, n] float32) for tokens below t_count. Where `full` (the block lies in
-// every token's range and below n) every value is stored; else a key outside the token's [tok_lo, tok_hi) gets -inf
-// and nothing is stored at or past n. The four lanes of a key row reduce their partial sums by a reduce-scatter: after
-// the exchange over lane bit 0 a lane keeps key row r = bit 0, after the one over bit 1 half of that row's tokens, so
-// each lane stores a quarter of the row's values (a sum over the same lanes in the same order on every run).
+// One key block's logits: for each token, the sum over its heads of w * relu(acc), times the key's `scale` (that of row
+// dsa_index_row()), stored at logits[t0 + token, j0 + key row] ([t_count, n] float32) for tokens below t_count. Where
+// `full` (the block lies in every token's range and below n) every value is stored; else a key outside the token's
+// [tok_lo, tok_hi) gets -inf and nothing is stored at or past n. The four lanes of a key row reduce their partial sums
+// by a reduce-scatter: after the exchange over lane bit 0 a lane keeps key row r = bit 0, after the one over bit 1 half
+// of that row's tokens, so each lane stores a quarter of the row's values (a sum over the same lanes in the same order
+// on every run).
 template <int HP>
 __device__ __forceinline__ void dsa_index_block(const float* acc, const float* w, float scale, float* logits,
                                                 long long n, int t0, int t_count, int j0, const int* tok_lo,
@@ -63,7 +71,7 @@ __device__ __forceinline__ void dsa_index_block(const float* acc, const float* w
     p[0] += __shfl_xor_sync(0xffffffffu, p[0], 2);  // both lanes hold the sum; the one with bit 1 clear stores it
     if (q1) return;
   }
-  const int j = j0 + 16 * ((threadIdx.x >> 5) & 3) + (lane >> 2) + 8 * q0;
+  const int j = j0 + dsa_index_row();
   const int tb = BT > 1 ? q1 * HALF : 0;
   if (!full && j >= n) return;
 #pragma unroll

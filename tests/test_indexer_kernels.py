@@ -111,7 +111,7 @@ def test_key_names_spell_the_specialization():
     ],
 )
 def test_prefill_columns_a_cta_fill_the_gpu(tokens, heads, keys, cols):
-    got = ix.logits_cols(tokens, heads, keys, 132)
+    got = ix.logits_cols(tokens, heads, keys, 132, ws=True)
     assert got == cols and got % ix.BN == 0
 
 
@@ -483,7 +483,7 @@ def run_prefill(key, q, k, k_scale, weights, ks, ke, cols=None):
     """The kernel's logits (poisoned with NaN before the call) and the mask of the in-range pairs; ``cols``: the key
     columns of a CTA, the plan's by default."""
     logits = torch.full((q.shape[0], k.shape[0]), float("nan"), device="cuda")
-    cols = cols or ix.logits_cols(q.shape[0], q.shape[1], k.shape[0], 132)
+    cols = cols or ix.logits_cols(q.shape[0], q.shape[1], k.shape[0], 132, key.ws)
     kernel(key)(*(x.cuda() for x in (q, k, k_scale, weights, ks, ke)), logits, cols)
     col = torch.arange(k.shape[0])[None, :]
     valid = (col >= ks.long().clamp(min=0)[:, None]) & (col < ke.long().clamp(max=k.shape[0])[:, None])
