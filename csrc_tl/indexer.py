@@ -33,6 +33,7 @@ never stored.
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import tilelang.language as T
 
@@ -594,46 +595,8 @@ def _build_logits_ws(key: IndexLogitsKey):
     dim, heads = key.dim, key.heads
     hp, bt = head_padding(heads, ws=True)
     stages = WS_STAGES
-    fill_lanes = 96  # the producer's warps 1-3
-    q_chunks = QN * dim // 16  # 16-byte chunks of the query block
-    assert q_chunks % 128 == 0, "the producer warpgroup stages the query block in whole 16-byte chunks"
     t_count, n_count = T.dynamic("t"), T.dynamic("n")
-
-    @T.macro
-    def consume(
-        g, k_s, sc_s, full, empty, turn, q_ready, q_s, acc, w, scale, weights, logits, tok_lo, tok_hi, rng, t0, b0, nb
-    ):
-        T.call_extern("handle", f"dsa_index_weights<{hp}>", weights.data, heads, t0, t_count, w.data)
-        T.barrier_wait(q_ready, 0)
-        for it in T.serial((nb - g + 1) // 2):
-            s = it % stages
-            T.barrier_wait(full[s], (it // stages) & 1)
-            if g == 1:
-                T.barrier_wait(turn[1], it & 1)
-            elif it > 0:
-                T.barrier_wait(turn[0], (it - 1) & 1)
-            T.wgmma_gemm(k_s[s, :, :], q_s, acc, transpose_B=True, clear_accum=True)
-            T.barrier_arrive(turn[1 - g])
-            T.wait_wgmma(0)
-            # the scale of the key row this thread stores, read before the stage is released
-            scale[0] = sc_s[s, T.call_extern(T.int32, "dsa_index_row")]
-            T.barrier_arrive(empty[s])
-            j0 = (b0 + 2 * it + g) * BN
-            T.call_extern(
-                "handle",
-                f"dsa_index_block<{hp}>",
-                acc.data,
-                w.data,
-                scale[0],
-                logits.data,
-                T.cast(logits.shape[1], T.int64),
-                t0,
-                t_count,
-                j0,
-                T.address_of(tok_lo[0]),
-                T.address_of(tok_hi[0]),
-                (j0 >= rng[2]) & (j0 + BN <= rng[3]),
-            )
+    produce, consume = _ws_producer(key, t_count), _ws_consumer(key, t_count)
 
     @T.prim_func
     def index_logits(
@@ -666,6 +629,11 @@ def _build_logits_ws(key: IndexLogitsKey):
             w1 = T.alloc_local((QN // 4,), T.float32)
             scale0 = T.alloc_local((1,), T.float32)
             scale1 = T.alloc_local((1,), T.float32)
+            # each consumer warpgroup's own stages, barriers and registers
+            wg = (
+                SimpleNamespace(k_s=k_s0, sc_s=sc_s0, full=full0, empty=empty0, acc=acc0, w=w0, scale=scale0),
+                SimpleNamespace(k_s=k_s1, sc_s=sc_s1, full=full1, empty=empty1, acc=acc1, w=w1, scale=scale1),
+            )
             rng = T.alloc_local((4,), T.int32)
             t0 = bx * bt
             c0 = by * cols
@@ -673,87 +641,120 @@ def _build_logits_ws(key: IndexLogitsKey):
             _token_bounds(ks, ke, t0, c0, c1, t_count, bt, tok_lo, tok_hi, rng)
             b0 = rng[0] // BN
             nb = T.if_then_else(rng[0] < rng[1], T.ceildiv(rng[1], BN) - b0, 0)
+            # what both kinds of warpgroup read (as attributes, which keep their names in the generated source)
+            c = SimpleNamespace(
+                q_s=q_s,
+                turn=turn,
+                q_ready=q_ready,
+                weights=weights,
+                logits=logits,
+                tok_lo=tok_lo,
+                tok_hi=tok_hi,
+                rng=rng,
+            )
             tx = T.get_thread_binding()
             if tx >= 256:
                 T.set_max_nreg(WS_NREG[1], 0)
-                ptx = tx - 256
-                for it in T.serial(q_chunks // 128):
-                    r = (it * 128 + ptx) // (dim // 16)
-                    col = (it * 128 + ptx) % (dim // 16) * 16
-                    ok = (r % hp < heads) & (t0 + r // hp < t_count)
-                    for v in T.vectorized(16):
-                        q_s[r, col + v] = T.if_then_else(
-                            ok,
-                            q[T.min(t0 + r // hp, t_count - 1), T.min(r % hp, heads - 1), col + v],
-                            T.cast(0, T.float8_e4m3fn),
-                        )
-                T.fence_proxy_async()  # generic stores, read by wgmma through the async proxy
-                T.barrier_arrive(q_ready)
-                if ptx < 32:
-                    for i in T.serial(nb):
-                        it = i // 2
-                        s = it % stages
-                        j0 = (b0 + i) * BN
-                        if i % 2 == 0:
-                            T.barrier_wait(empty0[s], ((it // stages) & 1) ^ 1)
-                            T.tma_copy(k[j0 : j0 + BN, :], k_s0[s, :, :], barrier=full0[s])
-                            T.tma_copy(k_scale[j0 : j0 + BN], sc_s0[s, :], barrier=full0[s])
-                            T.barrier_arrive(full0[s])
-                        else:
-                            T.barrier_wait(empty1[s], ((it // stages) & 1) ^ 1)
-                            T.tma_copy(k[j0 : j0 + BN, :], k_s1[s, :, :], barrier=full1[s])
-                            T.tma_copy(k_scale[j0 : j0 + BN], sc_s1[s, :], barrier=full1[s])
-                            T.barrier_arrive(full1[s])
-                else:
-                    _fill_outside(logits, t0, c0, c1, b0, nb, t_count, ptx - 32, fill_lanes, bt)
+                produce(q, k, k_scale, c, wg, t0, c0, c1, b0, nb)
             elif tx < 128:
                 T.set_max_nreg(WS_NREG[0], 1)
-                consume(
-                    0,
-                    k_s0,
-                    sc_s0,
-                    full0,
-                    empty0,
-                    turn,
-                    q_ready,
-                    q_s,
-                    acc0,
-                    w0,
-                    scale0,
-                    weights,
-                    logits,
-                    tok_lo,
-                    tok_hi,
-                    rng,
-                    t0,
-                    b0,
-                    nb,
-                )
+                consume(0, wg[0], c, t0, b0, nb)
             else:
                 T.set_max_nreg(WS_NREG[0], 1)
-                consume(
-                    1,
-                    k_s1,
-                    sc_s1,
-                    full1,
-                    empty1,
-                    turn,
-                    q_ready,
-                    q_s,
-                    acc1,
-                    w1,
-                    scale1,
-                    weights,
-                    logits,
-                    tok_lo,
-                    tok_hi,
-                    rng,
-                    t0,
-                    b0,
-                    nb,
-                )
+                consume(1, wg[1], c, t0, b0, nb)
 
     return index_logits
+
+
+def _ws_producer(key: IndexLogitsKey, t_count):
+    """The producer warpgroup of :func:`_build_logits_ws` (threads 256-383): the query block into ``c.q_s``, then
+    warp 0 the key blocks and scales into the consumers' stages ``wg`` in turn, warps 1-3 the -inf outside the GEMM
+    range."""
+    dim, heads, stages = key.dim, key.heads, WS_STAGES
+    hp, bt = head_padding(heads, ws=True)
+    fill_lanes = 96  # the producer's warps 1-3
+    q_chunks = QN * dim // 16  # 16-byte chunks of the query block
+    assert q_chunks % 128 == 0, "the producer warpgroup stages the query block in whole 16-byte chunks"
+
+    @T.macro
+    def load_keys(k, k_scale, g, s, phase, j0):
+        T.barrier_wait(g.empty[s], phase)
+        T.tma_copy(k[j0 : j0 + BN, :], g.k_s[s, :, :], barrier=g.full[s])
+        T.tma_copy(k_scale[j0 : j0 + BN], g.sc_s[s, :], barrier=g.full[s])
+        T.barrier_arrive(g.full[s])
+
+    @T.macro
+    def produce(q, k, k_scale, c, wg, t0, c0, c1, b0, nb):
+        ptx = T.get_thread_binding() - 256
+        for it in T.serial(q_chunks // 128):
+            r = (it * 128 + ptx) // (dim // 16)
+            col = (it * 128 + ptx) % (dim // 16) * 16
+            ok = (r % hp < heads) & (t0 + r // hp < t_count)
+            for v in T.vectorized(16):
+                c.q_s[r, col + v] = T.if_then_else(
+                    ok,
+                    q[T.min(t0 + r // hp, t_count - 1), T.min(r % hp, heads - 1), col + v],
+                    T.cast(0, T.float8_e4m3fn),
+                )
+        T.fence_proxy_async()  # generic stores, read by wgmma through the async proxy
+        T.barrier_arrive(c.q_ready)
+        if ptx < 32:
+            for i in T.serial(nb):
+                it = i // 2
+                s = it % stages
+                j0 = (b0 + i) * BN
+                if i % 2 == 0:
+                    load_keys(k, k_scale, wg[0], s, ((it // stages) & 1) ^ 1, j0)
+                else:
+                    load_keys(k, k_scale, wg[1], s, ((it // stages) & 1) ^ 1, j0)
+        else:
+            _fill_outside(c.logits, t0, c0, c1, b0, nb, t_count, ptx - 32, fill_lanes, bt)
+
+    return produce
+
+
+def _ws_consumer(key: IndexLogitsKey, t_count):
+    """Consumer warpgroup ``g`` of :func:`_build_logits_ws`: its key blocks' GEMMs, in turn with the other
+    warpgroup's, and their epilogue (``indexer_epilogue.cuh``) into ``c.logits``."""
+    hp = head_padding(key.heads, ws=True)[0]
+    heads, stages = key.heads, WS_STAGES
+
+    @T.macro
+    def consume(g, wg, c, t0, b0, nb):
+        # (buffers read as attributes keep their own names in the generated source)
+        T.call_extern("handle", f"dsa_index_weights<{hp}>", c.weights.data, heads, t0, t_count, wg.w.data)
+        T.barrier_wait(c.q_ready, 0)
+        for it in T.serial((nb - g + 1) // 2):
+            s = it % stages
+            T.barrier_wait(wg.full[s], (it // stages) & 1)
+            if g == 1:
+                T.barrier_wait(c.turn[1], it & 1)
+            elif it > 0:
+                T.barrier_wait(c.turn[0], (it - 1) & 1)
+            T.wgmma_gemm(wg.k_s[s, :, :], c.q_s, wg.acc, transpose_B=True, clear_accum=True)
+            T.barrier_arrive(c.turn[1 - g])
+            T.wait_wgmma(0)
+            # the scale of the key row this thread stores, read before the stage is released
+            wg.scale[0] = wg.sc_s[s, T.call_extern(T.int32, "dsa_index_row")]
+            T.barrier_arrive(wg.empty[s])
+            j0 = (b0 + 2 * it + g) * BN
+            T.call_extern(
+                "handle",
+                f"dsa_index_block<{hp}>",
+                wg.acc.data,
+                wg.w.data,
+                wg.scale[0],
+                c.logits.data,
+                T.cast(c.logits.shape[1], T.int64),
+                t0,
+                t_count,
+                j0,
+                T.address_of(c.tok_lo[0]),
+                T.address_of(c.tok_hi[0]),
+                (j0 >= c.rng[2]) & (j0 + BN <= c.rng[3]),
+            )
+
+    return consume
 
 
 def _build_logits_portable(key: IndexLogitsKey):
