@@ -875,15 +875,13 @@ def _build_paged_ws(key: PagedLogitsKey):
     rows are written -inf) and flags the pages it loaded. 160 threads and no register reallocation, so that
     several CTAs share an SM and keep more loads in flight."""
     dim, heads, page = key.dim, key.heads, key.page
-    hp, tiles, ppt, row_bytes = _paged_geometry(key)
+    hp, _, ppt, row_bytes = _paged_geometry(key)
     stages = PAGED_STAGES
-    sub_rows = min(page, BN)  # rows of one TMA copy: a page, or a 64-row part of one
-    scale_word = page * dim // SCALE_BYTES
-    q_chunks = hp * dim // 16
     split = key.pages_per_cta
     split_tokens = split * page
     r_count, b_count, p_count, max_pages = T.dynamic("r"), T.dynamic("b"), T.dynamic("p"), T.dynamic("max_pages")
     w_len = max_pages * page
+    produce, consume = _paged_producer(key, p_count, max_pages), _paged_consumer(key, w_len)
 
     @T.prim_func
     def paged_index_logits(
@@ -914,76 +912,115 @@ def _build_paged_ws(key: PagedLogitsKey):
             ent = T.alloc_local((1,), T.int32)
             _paged_row(bx, r_count, b_count, lengths, w_len, by, split_tokens, row)
             tx = T.get_thread_binding()
+            # the buffers both kinds of warp read (as attributes, which keep their names in the generated source)
+            sh = SimpleNamespace(
+                q_s=q_s, k_s=k_s, sc_s=sc_s, ok_s=ok_s, full=full, empty=empty, q_ready=q_ready, row=row, logits=logits
+            )
             if tx >= 128:
-                # the CTA's page-table entries first, all at once (-1 past max_pages): read one by one inside the
-                # loop, each load's latency would stall the next TMA issue
-                for c in T.serial(T.ceildiv(split, 32)):
-                    if c * 32 + tx - 128 < split:
-                        pg = by * split + c * 32 + tx - 128
-                        ent_s[c * 32 + tx - 128] = T.if_then_else(
-                            pg < max_pages, page_table[row[0], T.min(pg, max_pages - 1)], -1
-                        )
-                for ti in T.serial(row[3]):
-                    s = ti % stages
-                    T.barrier_wait(empty[s], ((ti // stages) & 1) ^ 1)
-                    for k in T.unroll(ppt):
-                        pos = row[2] + ti * BN + k * sub_rows  # first position of this copy
-                        ent[0] = ent_s[pos // page - by * split]
-                        ok = (pos < row[1]) & (ent[0] >= 0) & (ent[0] < p_count)
-                        if ok:
-                            off = pos % page
-                            T.tma_copy(
-                                vals[ent[0], off : off + sub_rows, :],
-                                k_s[s, k * sub_rows : (k + 1) * sub_rows, :],
-                                barrier=full[s],
-                            )
-                            T.tma_copy(
-                                scales[ent[0], scale_word + off : scale_word + off + sub_rows],
-                                sc_s[s, k * sub_rows : (k + 1) * sub_rows],
-                                barrier=full[s],
-                            )
-                        if tx == 128:
-                            ok_s[s, k] = T.if_then_else(ok, 1, 0)
-                    T.barrier_arrive(full[s])
+                produce(vals, scales, page_table, sh, ent_s, ent, by)
             else:
-                for c in T.serial(q_chunks // 128 if q_chunks >= 128 else 1):
-                    i = c * 128 + tx
-                    if i < q_chunks:
-                        h = i // (dim // 16)
-                        col = i % (dim // 16) * 16
-                        for v in T.vectorized(16):
-                            q_s[h, col + v] = T.if_then_else(
-                                h < heads, q[bx, T.min(h, heads - 1), col + v], T.cast(0, T.float8_e4m3fn)
-                            )
-                for i, h in T.Parallel(1, hp):
-                    w[i, h] = T.if_then_else(h < heads, weights[bx, T.min(h, heads - 1)], 0.0)
-                T.fence_proxy_async()  # generic stores, read by wgmma through the async proxy
-                T.barrier_arrive(q_ready)
-                T.barrier_wait(q_ready, 0)
-                for ti in T.serial(tiles):
-                    pos0 = row[2] + ti * BN
-                    if ti < row[3]:
-                        s = ti % stages
-                        T.barrier_wait(full[s], (ti // stages) & 1)
-                        T.wgmma_gemm(k_s[s, :, :], q_s, acc, transpose_B=True, clear_accum=True)
-                        T.wait_wgmma(0)
-                        for j in T.Parallel(BN):
-                            sc[j] = T.if_then_else(
-                                (ok_s[s, j // sub_rows] != 0) & (pos0 + j < row[1]), sc_s[s, j], -T.infinity(T.float32)
-                            )
-                        T.barrier_arrive(empty[s])
-                        _relu_weigh_reduce(acc, w, lg, 1, hp)
-                        for j, i in T.Parallel(BN, 1):
-                            if pos0 + j < w_len:
-                                logits[bx, pos0 + j] = T.if_then_else(
-                                    sc[j] == -T.infinity(T.float32), sc[j], lg[j, i] * sc[j]
-                                )
-                    else:
-                        for j in T.Parallel(BN):
-                            if pos0 + j < w_len:
-                                logits[bx, pos0 + j] = -T.infinity(T.float32)
+                consume(q, weights, sh, acc, lg, w, sc, bx)
 
     return paged_index_logits
+
+
+def _paged_producer(key: PagedLogitsKey, p_count, max_pages):
+    """The producer warp of :func:`_build_paged_ws` over a cache of ``p_count`` pages and page tables of ``max_pages``
+    entries."""
+    dim, page = key.dim, key.page
+    _, _, ppt, row_bytes = _paged_geometry(key)
+    stages, split = PAGED_STAGES, key.pages_per_cta
+    sub_rows = min(page, BN)  # rows of one TMA copy: a page, or a 64-row part of one
+    scale_word = page * dim // SCALE_BYTES
+
+    @T.macro
+    def produce(vals, scales, page_table, sh, ent_s, ent, by):
+        """The producer warp (threads 128-159): the CTA's page-table entries, then each tile's pages and scales."""
+        tx = T.get_thread_binding()
+        # the CTA's page-table entries first, all at once (-1 past max_pages): read one by one inside the loop, each
+        # load's latency would stall the next TMA issue
+        for c in T.serial(T.ceildiv(split, 32)):
+            if c * 32 + tx - 128 < split:
+                pg = by * split + c * 32 + tx - 128
+                ent_s[c * 32 + tx - 128] = T.if_then_else(
+                    pg < max_pages, page_table[sh.row[0], T.min(pg, max_pages - 1)], -1
+                )
+        for ti in T.serial(sh.row[3]):
+            s = ti % stages
+            T.barrier_wait(sh.empty[s], ((ti // stages) & 1) ^ 1)
+            for k in T.unroll(ppt):
+                pos = sh.row[2] + ti * BN + k * sub_rows  # first position of this copy
+                ent[0] = ent_s[pos // page - by * split]
+                ok = (pos < sh.row[1]) & (ent[0] >= 0) & (ent[0] < p_count)
+                if ok:
+                    off = pos % page
+                    T.tma_copy(
+                        vals[ent[0], off : off + sub_rows, :],
+                        sh.k_s[s, k * sub_rows : (k + 1) * sub_rows, :],
+                        barrier=sh.full[s],
+                    )
+                    T.tma_copy(
+                        scales[ent[0], scale_word + off : scale_word + off + sub_rows],
+                        sh.sc_s[s, k * sub_rows : (k + 1) * sub_rows],
+                        barrier=sh.full[s],
+                    )
+                if tx == 128:
+                    sh.ok_s[s, k] = T.if_then_else(ok, 1, 0)
+            T.barrier_arrive(sh.full[s])
+
+    return produce
+
+
+def _paged_consumer(key: PagedLogitsKey, w_len):
+    """The consumer warpgroup of :func:`_build_paged_ws`, writing rows of ``w_len`` logits."""
+    dim, heads = key.dim, key.heads
+    hp, tiles, _, _ = _paged_geometry(key)
+    stages = PAGED_STAGES
+    sub_rows = min(key.page, BN)
+    q_chunks = hp * dim // 16
+
+    @T.macro
+    def consume(q, weights, sh, acc, lg, w, sc, bx):
+        """The consumer warpgroup (threads 0-127): the query row and weights, then each tile's GEMM and epilogue."""
+        tx = T.get_thread_binding()
+        for c in T.serial(q_chunks // 128 if q_chunks >= 128 else 1):
+            i = c * 128 + tx
+            if i < q_chunks:
+                h = i // (dim // 16)
+                col = i % (dim // 16) * 16
+                for v in T.vectorized(16):
+                    sh.q_s[h, col + v] = T.if_then_else(
+                        h < heads, q[bx, T.min(h, heads - 1), col + v], T.cast(0, T.float8_e4m3fn)
+                    )
+        for i, h in T.Parallel(1, hp):
+            w[i, h] = T.if_then_else(h < heads, weights[bx, T.min(h, heads - 1)], 0.0)
+        T.fence_proxy_async()  # generic stores, read by wgmma through the async proxy
+        T.barrier_arrive(sh.q_ready)
+        T.barrier_wait(sh.q_ready, 0)
+        for ti in T.serial(tiles):
+            pos0 = sh.row[2] + ti * BN
+            if ti < sh.row[3]:
+                s = ti % stages
+                T.barrier_wait(sh.full[s], (ti // stages) & 1)
+                T.wgmma_gemm(sh.k_s[s, :, :], sh.q_s, acc, transpose_B=True, clear_accum=True)
+                T.wait_wgmma(0)
+                for j in T.Parallel(BN):
+                    sc[j] = T.if_then_else(
+                        (sh.ok_s[s, j // sub_rows] != 0) & (pos0 + j < sh.row[1]), sh.sc_s[s, j], -T.infinity(T.float32)
+                    )
+                T.barrier_arrive(sh.empty[s])
+                _relu_weigh_reduce(acc, w, lg, 1, hp)
+                for j, i in T.Parallel(BN, 1):
+                    if pos0 + j < w_len:
+                        sh.logits[bx, pos0 + j] = T.if_then_else(
+                            sc[j] == -T.infinity(T.float32), sc[j], lg[j, i] * sc[j]
+                        )
+            else:
+                for j in T.Parallel(BN):
+                    if pos0 + j < w_len:
+                        sh.logits[bx, pos0 + j] = -T.infinity(T.float32)
+
+    return consume
 
 
 def _build_paged_portable(key: PagedLogitsKey):
