@@ -87,6 +87,7 @@ LOGITS_CHUNK = 16384
 LOGITS_MIN_COLS = 2048
 LOGITS_WAVES = 2
 WS_STAGES = 3  # shared key stages per consumer warpgroup of the prefill
+WS_PAIR = False  # the planned prefill kernel takes two query blocks a CTA (IndexLogitsKey.pair)
 # Heads of the warp-specialized prefill's query block at least (fewer are padded with zero weights): from 8 a column
 # group of the accumulator lies in one token, which the epilogue's reduce-scatter over a key row's four lanes needs.
 WS_MIN_HP = 8
@@ -388,17 +389,25 @@ def build_gather_index_k(key: GatherIndexKey):
 @dataclass(frozen=True)
 class IndexLogitsKey:
     """The ragged prefill logits kernel: head dim ``dim``, ``heads`` indexer heads, queries of ``q_dtype``
-    ("float8_e4m3fn" or "bfloat16"); ``ws`` picks the warp-specialized sm_90 kernel (FP8 queries only)."""
+    ("float8_e4m3fn" or "bfloat16"); ``ws`` picks the warp-specialized sm_90 kernel (FP8 queries only), ``pair``
+    gives its CTA two query blocks, one a consumer warpgroup, that share each key block's stage (half the key loads a
+    token)."""
 
     dim: int
     heads: int
     q_dtype: str = "float8_e4m3fn"
     ws: bool = True
+    pair: bool = False
+
+    @property
+    def block_tokens(self) -> int:
+        """The query tokens of a CTA."""
+        return head_padding(self.heads, self.ws)[1] * (2 if self.pair else 1)
 
     @property
     def name(self) -> str:
         q = Q_DTYPES.get(self.q_dtype, self.q_dtype)
-        return f"index_logits_d{self.dim}_h{self.heads}_q{q}{'_ws' if self.ws else ''}"
+        return f"index_logits_d{self.dim}_h{self.heads}_q{q}{'_ws' if self.ws else ''}{'_pair' if self.pair else ''}"
 
     def __str__(self) -> str:
         return self.name
@@ -460,19 +469,21 @@ def paged_ws_supported(dim: int, heads: int, page: int, q_dtype: str) -> bool:
     return ws_supported(dim, heads, q_dtype) and fits
 
 
-def logits_cols(tokens: int, heads: int, keys: int, sms: int, ws: bool) -> int:
+def logits_cols(tokens: int, heads: int, keys: int, sms: int, ws: bool, pair: bool = False) -> int:
     """The ``cols`` argument of the prefill kernel (warp-specialized where ``ws``, else the portable one: their token
-    blocks, :func:`head_padding`) for ``tokens`` queries of ``heads`` heads against ``keys`` keys on ``sms`` SMs:
+    blocks, :func:`head_padding`, two a CTA where ``pair``) for ``tokens`` queries of ``heads`` heads against ``keys``
+    keys on ``sms`` SMs:
     LOGITS_CHUNK where the token blocks fill the GPU; fewer (a multiple of 64, at least LOGITS_MIN_COLS) where they do
     not (a chunk of ``index_topk``, a short prompt), so that the CTAs number about LOGITS_WAVES an SM."""
-    blocks = -(-max(tokens, 1) // head_padding(heads, ws)[1])
+    blocks = -(-max(tokens, 1) // (head_padding(heads, ws)[1] * (2 if pair else 1)))
     cols = -(-blocks * max(keys, 1) // (LOGITS_WAVES * max(sms, 1)))
     return min(LOGITS_CHUNK, max(LOGITS_MIN_COLS, -(-cols // BN) * BN))
 
 
 def index_logits_key(dim: int, heads: int, q_dtype: str, target: str) -> IndexLogitsKey:
     """The prefill kernel for ``target`` ("cuda" = sm_90, or "hip"): warp-specialized where supported."""
-    return IndexLogitsKey(dim, heads, q_dtype, ws=target == "cuda" and ws_supported(dim, heads, q_dtype))
+    ws = target == "cuda" and ws_supported(dim, heads, q_dtype)
+    return IndexLogitsKey(dim, heads, q_dtype, ws=ws, pair=ws and WS_PAIR)
 
 
 def paged_logits_key(dim: int, heads: int, page: int, q_dtype: str, target: str) -> PagedLogitsKey:
@@ -591,10 +602,11 @@ def _build_logits_ws(key: IndexLogitsKey):
     their scales by TMA (rows past N zero-filled), its other three write -inf outside the GEMM range. The consumers
     order their GEMMs: warpgroup 0's i-th after warpgroup 1's (i-1)-th is issued, warpgroup 1's i-th after
     warpgroup 0's i-th, so that each one's epilogue (relu, weights, the sum over heads, stores) overlaps the
-    other's GEMM."""
-    dim, heads = key.dim, key.heads
-    hp, bt = head_padding(heads, ws=True)
-    stages = WS_STAGES
+    other's GEMM. With ``key.pair`` the CTA takes two query blocks, warpgroup g the g-th, and both consume every key
+    block from one set of twice the stages, each released when both have read it."""
+    dim, heads, pair = key.dim, key.heads, key.pair
+    bt = key.block_tokens
+    stages = _ws_stages(key)
     t_count, n_count = T.dynamic("t"), T.dynamic("n")
     produce, consume = _ws_producer(key, t_count), _ws_consumer(key, t_count)
 
@@ -610,17 +622,25 @@ def _build_logits_ws(key: IndexLogitsKey):
         cols: T.int32,
     ):
         with T.Kernel(T.ceildiv(t_count, bt), T.ceildiv(n_count, cols), threads=384, prelude=WS_EPILOGUE) as (bx, by):
-            q_s = T.alloc_shared((QN, dim), T.float8_e4m3fn)
-            k_s0 = T.alloc_shared((stages, BN, dim), T.float8_e4m3fn)
-            k_s1 = T.alloc_shared((stages, BN, dim), T.float8_e4m3fn)
-            sc_s0 = T.alloc_shared((stages, BN), T.float32)
-            sc_s1 = T.alloc_shared((stages, BN), T.float32)
+            q_s = T.alloc_shared((QN * (2 if pair else 1), dim), T.float8_e4m3fn)
+            if pair:  # one set of stages that both consumer warpgroups read
+                k_s0 = k_s1 = T.alloc_shared((stages, BN, dim), T.float8_e4m3fn)
+                sc_s0 = sc_s1 = T.alloc_shared((stages, BN), T.float32)
+            else:
+                k_s0 = T.alloc_shared((stages, BN, dim), T.float8_e4m3fn)
+                k_s1 = T.alloc_shared((stages, BN, dim), T.float8_e4m3fn)
+                sc_s0 = T.alloc_shared((stages, BN), T.float32)
+                sc_s1 = T.alloc_shared((stages, BN), T.float32)
             tok_lo = T.alloc_shared((bt,), T.int32)
             tok_hi = T.alloc_shared((bt,), T.int32)
-            full0 = T.alloc_barrier([32] * stages)  # the producer warp's lanes (and the TMA bytes)
-            full1 = T.alloc_barrier([32] * stages)
-            empty0 = T.alloc_barrier([128] * stages)
-            empty1 = T.alloc_barrier([128] * stages)
+            if pair:  # a stage is full on the producer warp's lanes (and the TMA bytes), empty on both warpgroups
+                full0 = full1 = T.alloc_barrier([32] * stages)
+                empty0 = empty1 = T.alloc_barrier([256] * stages)
+            else:
+                full0 = T.alloc_barrier([32] * stages)  # the producer warp's lanes (and the TMA bytes)
+                full1 = T.alloc_barrier([32] * stages)
+                empty0 = T.alloc_barrier([128] * stages)
+                empty1 = T.alloc_barrier([128] * stages)
             turn = T.alloc_barrier([128, 128])  # turn[g]: warpgroup g may issue its next GEMM
             q_ready = T.alloc_barrier(128)
             acc0 = T.alloc_fragment((BN, QN), T.float32)
@@ -666,14 +686,19 @@ def _build_logits_ws(key: IndexLogitsKey):
     return index_logits
 
 
+def _ws_stages(key: IndexLogitsKey) -> int:
+    """The shared key stages of a consumer warpgroup of the prefill (shared by both where ``key.pair``)."""
+    return WS_STAGES * (2 if key.pair else 1)
+
+
 def _ws_producer(key: IndexLogitsKey, t_count):
     """The producer warpgroup of :func:`_build_logits_ws` (threads 256-383): the query block into ``c.q_s``, then
     warp 0 the key blocks and scales into the consumers' stages ``wg`` in turn, warps 1-3 the -inf outside the GEMM
-    range."""
-    dim, heads, stages = key.dim, key.heads, WS_STAGES
-    hp, bt = head_padding(heads, ws=True)
+    range. With ``key.pair`` both query blocks, and every key block into the one set of stages."""
+    dim, heads, stages = key.dim, key.heads, _ws_stages(key)
+    hp, bt = head_padding(heads, ws=True)[0], key.block_tokens
     fill_lanes = 96  # the producer's warps 1-3
-    q_chunks = QN * dim // 16  # 16-byte chunks of the query block
+    q_chunks = QN * dim // 16 * (2 if key.pair else 1)  # 16-byte chunks of the query block(s)
     assert q_chunks % 128 == 0, "the producer warpgroup stages the query block in whole 16-byte chunks"
 
     @T.macro
@@ -698,7 +723,10 @@ def _ws_producer(key: IndexLogitsKey, t_count):
                 )
         T.fence_proxy_async()  # generic stores, read by wgmma through the async proxy
         T.barrier_arrive(c.q_ready)
-        if ptx < 32:
+        if ptx < 32 and key.pair:
+            for i in T.serial(nb):
+                load_keys(k, k_scale, wg[0], i % stages, ((i // stages) & 1) ^ 1, (b0 + i) * BN)
+        elif ptx < 32:
             for i in T.serial(nb):
                 it = i // 2
                 s = it % stages
@@ -715,44 +743,56 @@ def _ws_producer(key: IndexLogitsKey, t_count):
 
 def _ws_consumer(key: IndexLogitsKey, t_count):
     """Consumer warpgroup ``g`` of :func:`_build_logits_ws`: its key blocks' GEMMs, in turn with the other
-    warpgroup's, and their epilogue (``indexer_epilogue.cuh``) into ``c.logits``."""
-    hp = head_padding(key.heads, ws=True)[0]
-    heads, stages = key.heads, WS_STAGES
+    warpgroup's, and their epilogue (``indexer_epilogue.cuh``) into ``c.logits``. With ``key.pair`` warpgroup g
+    takes every key block against the g-th query block (its tokens from ``t0 + g * bt``)."""
+    hp, bt = head_padding(key.heads, ws=True)
+    heads, stages, pair = key.heads, _ws_stages(key), key.pair
+
+    @T.macro
+    def store(wg, c, t0, t_count, j0, tok):
+        T.call_extern(
+            "handle",
+            f"dsa_index_block<{hp}>",
+            wg.acc.data,
+            wg.w.data,
+            wg.scale[0],
+            c.logits.data,
+            T.cast(c.logits.shape[1], T.int64),
+            t0,
+            t_count,
+            j0,
+            T.address_of(c.tok_lo[tok]),
+            T.address_of(c.tok_hi[tok]),
+            (j0 >= c.rng[2]) & (j0 + BN <= c.rng[3]),
+        )
 
     @T.macro
     def consume(g, wg, c, t0, b0, nb):
-        # (buffers read as attributes keep their own names in the generated source)
-        T.call_extern("handle", f"dsa_index_weights<{hp}>", c.weights.data, heads, t0, t_count, wg.w.data)
+        # (buffers read as attributes keep their own names in the generated source; with ``pair`` this warpgroup's
+        # query block starts at token t0 + g * bt and takes every key block, else the alternate ones)
+        tw = t0 + g * bt if pair else t0
+        T.call_extern("handle", f"dsa_index_weights<{hp}>", c.weights.data, heads, tw, t_count, wg.w.data)
         T.barrier_wait(c.q_ready, 0)
-        for it in T.serial((nb - g + 1) // 2):
+        for it in T.serial(nb if pair else (nb - g + 1) // 2):
             s = it % stages
             T.barrier_wait(wg.full[s], (it // stages) & 1)
             if g == 1:
                 T.barrier_wait(c.turn[1], it & 1)
             elif it > 0:
                 T.barrier_wait(c.turn[0], (it - 1) & 1)
-            T.wgmma_gemm(wg.k_s[s, :, :], c.q_s, wg.acc, transpose_B=True, clear_accum=True)
+            if pair:
+                T.wgmma_gemm(wg.k_s[s, :, :], c.q_s[g * QN : g * QN + QN, :], wg.acc, transpose_B=True, clear_accum=True)
+            else:
+                T.wgmma_gemm(wg.k_s[s, :, :], c.q_s, wg.acc, transpose_B=True, clear_accum=True)
             T.barrier_arrive(c.turn[1 - g])
             T.wait_wgmma(0)
             # the scale of the key row this thread stores, read before the stage is released
             wg.scale[0] = wg.sc_s[s, T.call_extern(T.int32, "dsa_index_row")]
             T.barrier_arrive(wg.empty[s])
-            j0 = (b0 + 2 * it + g) * BN
-            T.call_extern(
-                "handle",
-                f"dsa_index_block<{hp}>",
-                wg.acc.data,
-                wg.w.data,
-                wg.scale[0],
-                c.logits.data,
-                T.cast(c.logits.shape[1], T.int64),
-                t0,
-                t_count,
-                j0,
-                T.address_of(c.tok_lo[0]),
-                T.address_of(c.tok_hi[0]),
-                (j0 >= c.rng[2]) & (j0 + BN <= c.rng[3]),
-            )
+            if pair:
+                store(wg, c, tw, t_count, (b0 + it) * BN, g * bt)
+            else:
+                store(wg, c, tw, t_count, (b0 + 2 * it + g) * BN, 0)
 
     return consume
 

@@ -10,6 +10,7 @@ tolerance derived below. Inputs are hostile (sentinel slot ids and page-table en
 rows, lengths 0, 1, page, page + 1 and past W), outputs are NaN before the call and unread cache bytes are NaN.
 """
 
+import dataclasses
 import functools
 import re
 
@@ -113,6 +114,13 @@ def test_key_names_spell_the_specialization():
 def test_prefill_columns_a_cta_fill_the_gpu(tokens, heads, keys, cols):
     got = ix.logits_cols(tokens, heads, keys, 132, ws=True)
     assert got == cols and got % ix.BN == 0
+
+
+def test_prefill_columns_follow_a_pair_of_query_blocks():
+    # 8 heads, 220 tokens: 7 CTAs of two 16-token blocks take the smallest chunks (14 blocks of one take 3520)
+    assert ix.IndexLogitsKey(D, 8, pair=True).block_tokens == 32
+    assert ix.logits_cols(220, 8, 65536, 132, ws=True, pair=True) == ix.LOGITS_MIN_COLS
+    assert ix.logits_cols(4096, 8, 65536, 132, ws=True, pair=True) == ix.LOGITS_CHUNK
 
 
 def test_prefill_columns_follow_the_portable_kernels_blocks():
@@ -221,8 +229,10 @@ def test_paged_portable_kernel_reads_only_valid_rows():
 
 
 @needs_nvcc
-def test_index_logits_ws_compiles_without_spills(tmp_path):
-    log = compile_sm90a(lowered(ix.index_logits_key(D, 64, "float8_e4m3fn", "cuda"), "cuda"), tmp_path)
+@pytest.mark.parametrize("pair", [False, True], ids=["one-block", "pair"])
+def test_index_logits_ws_compiles_without_spills(tmp_path, pair):
+    key = dataclasses.replace(ix.index_logits_key(D, 64, "float8_e4m3fn", "cuda"), pair=pair)
+    log = compile_sm90a(lowered(key, "cuda"), tmp_path)
     assert_no_spills(log)
     assert_no_serialized_wgmma(log)
 
@@ -260,6 +270,7 @@ SWEEP_KEYS = (
         for q, ws in (("float8_e4m3fn", True), ("float8_e4m3fn", False), ("bfloat16", False))
         if d == D or h in (8, 64)
     ]
+    + [ix.IndexLogitsKey(d, h, pair=True) for d in (64, 128, 256) for h in (1, 8, 64, 128) if d == D or h in (8, 64)]
     + [
         ix.PagedLogitsKey(D, h, p, q, ws)
         for h in PAGED_HEADS
@@ -493,11 +504,14 @@ def run_prefill(key, q, k, k_scale, weights, ks, ke, cols=None):
 @pytest.mark.cuda
 @pytest.mark.parametrize("heads, t_count, n", PREFILL_CASES, ids=[f"h{c[0]}" for c in PREFILL_CASES])
 @pytest.mark.parametrize("cols", [None, 576], ids=["planned-cols", "cols576"])
-def test_index_logits_ws(heads, t_count, n, cols):
-    # (576 columns a CTA: chunk edges that are no power of two, inside the tokens' ranges)
-    key = ix.index_logits_key(D, heads, "float8_e4m3fn", "cuda")
+@pytest.mark.parametrize("pair", [False, True], ids=["one-block", "pair"])
+def test_index_logits_ws(heads, t_count, n, cols, pair):
+    # (576 columns a CTA: chunk edges that are no power of two, inside the tokens' ranges; a pair of query blocks a
+    # CTA: a token count below, at and past the second block)
+    key = dataclasses.replace(ix.index_logits_key(D, heads, "float8_e4m3fn", "cuda"), pair=pair)
     assert key.ws
     inputs = prefill_inputs(heads, t_count, n, FP8)
+    cols = cols or ix.logits_cols(t_count, heads, n, 132, key.ws, key.pair)
     got, valid = run_prefill(key, *inputs, cols=cols)
     want, mag, _ = ref_logits(inputs[0].float(), inputs[1].float(), *inputs[2:4], valid)
     check_logits(got, want, mag, EXACT_REL)
