@@ -781,7 +781,9 @@ def _ws_consumer(key: IndexLogitsKey, t_count):
             elif it > 0:
                 T.barrier_wait(c.turn[0], (it - 1) & 1)
             if pair:
-                T.wgmma_gemm(wg.k_s[s, :, :], c.q_s[g * QN : g * QN + QN, :], wg.acc, transpose_B=True, clear_accum=True)
+                T.wgmma_gemm(
+                    wg.k_s[s, :, :], c.q_s[g * QN : g * QN + QN, :], wg.acc, transpose_B=True, clear_accum=True
+                )
             else:
                 T.wgmma_gemm(wg.k_s[s, :, :], c.q_s, wg.acc, transpose_B=True, clear_accum=True)
             T.barrier_arrive(c.turn[1 - g])
