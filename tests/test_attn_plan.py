@@ -27,8 +27,8 @@ from csrc_tl.attention.keys import AttnKey, CombineKey
 from csrc_tl.attention.launch import (
     TAIL_MIN_BLOCKS,
     TAIL_MIN_SPLITS,
+    TAIL_SPLIT_BLOCKS,
     TOPK_BLOCK,
-    WS_SPLIT_BLOCKS,
     AttnKernels,
     AttnLaunch,
     attn_kernels,
@@ -299,11 +299,11 @@ def kernels(geo, ws=True, ctas=0, partial_heads=64, transposed=False) -> AttnKer
         # on 78 SMs the persistent grid is 78 CTAs: 52 rounds take 4056 tokens, and the last 40 fill over half the SMs,
         # so the split path would not split them: the prefill takes them all
         (GLM_PACKED, 4096, 2048, 78, True, AttnLaunch(kernels(GLM_PACKED, ctas=78), 4096, 4096)),
-        # decode T 1: the warp-specialized split kernel keeps two blocks per split, the portable one takes one
-        (GLM_BF16, 1, 2048, 132, True, AttnLaunch(kernels(GLM_BF16), 1, 0, 16)),
+        # decode T 1: every split kernel takes one block a split
+        (GLM_BF16, 1, 2048, 132, True, AttnLaunch(kernels(GLM_BF16), 1, 0, 32)),
         (GLM_BF16, 1, 2048, 132, False, AttnLaunch(kernels(GLM_BF16, ws=False), 1, 0, 32)),
-        # a 16-head shard: the warp-specialized kernels run the transposed consumers, whose split kernel takes one
-        # block a split; its partials still have a whole 64-head block, the portable one's 16
+        # a 16-head shard: the warp-specialized kernels run the transposed consumers; their partials still have a
+        # whole 64-head block, the portable one's 16
         (
             SHARD_16,
             1,
@@ -381,9 +381,9 @@ def test_launch_plan_invariants(sm90):
         items = math.ceil(heads / head_block(heads))  # (token, head block) items of one token
         if launch.split_tokens:
             assert launch.split_tokens * items * launch.splits <= sm_count, "one wave of splits"
-            # the plain warp-specialized split kernel keeps WS_SPLIT_BLOCKS blocks a split, the others one or more
-            plain = ws and not k.split.transposed
-            assert topk // TOPK_BLOCK // launch.splits >= (WS_SPLIT_BLOCKS if plain else 1)
+            # one top-k block a split or more, a persistent prefill's tail TAIL_SPLIT_BLOCKS or more
+            least = TAIL_SPLIT_BLOCKS if launch.prefill_tokens else 1
+            assert topk // TOPK_BLOCK // launch.splits >= least
         if launch.prefill_tokens and launch.split_tokens:  # a persistent prefill's last round split off
             assert k.ctas and launch.prefill_tokens * items % k.ctas == 0
             assert launch.splits >= TAIL_MIN_SPLITS and topk // TOPK_BLOCK >= TAIL_MIN_BLOCKS
@@ -494,17 +494,15 @@ def test_transposed_consumers_at_tensor_parallel_shards(heads, kind, d_v, d_rope
 
 
 @pytest.mark.parametrize("heads", [1, 8, 16, 32, 64, 128])
-@pytest.mark.parametrize("tokens, one_block, two_blocks", [(1, 32, 16), (4, 32, 16), (64, 2, 2)])
-def test_decode_splits_by_consumers(heads, tokens, one_block, two_blocks):
-    """A decode of a 2048-wide top-k: the transposed split kernels (up to 32 heads) take one top-k block a split, the
-    plain ones (64-head blocks) two, each within one wave of 132 SMs (the bench's crossover: BENCHMARKS.md)."""
+@pytest.mark.parametrize("tokens", [1, 4, 64])
+def test_decode_splits_by_consumers(heads, tokens):
+    """A decode of a 2048-wide top-k: every split kernel, transposed (up to 32 heads) or plain (64-head blocks), takes
+    one top-k block a split, as many splits as one wave of 132 SMs holds (the bench's crossover: BENCHMARKS.md)."""
     geo = geometry("packed", 512, 64, heads=heads)
     launch = plan_launch(geo, tokens, 2048, 132, True)
     items = tokens * -(-heads // 64)
-    if launch.kernels.split.transposed:
-        assert launch.splits == one_block
-    else:  # (T 64 at 128 heads: 128 items fill the GPU, the prefill takes them)
-        assert launch.splits == (two_blocks if items * two_blocks <= 132 else 1)
+    want = {1: 32, 2: 32, 4: 32, 8: 16, 64: 2, 128: 1}[items]  # (T 64 at 128 heads: the prefill takes 128 items)
+    assert launch.splits == want
     assert items * launch.splits <= 132
 
 

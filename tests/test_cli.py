@@ -183,8 +183,8 @@ def test_bench_cases_name_their_kernels(h200):
     from sparse_dsa_ops import _cuda
 
     cases = _cases()
-    assert cases["decode 256+0 bf16 T1 S65536 H64 k2048"]["path"] == "attn_decode_ws x16 + combine"
-    assert cases["decode 256+0 packed T1 S65536 H64 k2048"]["path"] == "attn_decode_ws x16 + combine"
+    assert cases["decode 256+0 bf16 T1 S65536 H64 k2048"]["path"] == "attn_decode_ws x32 + combine"
+    assert cases["decode 256+0 packed T1 S65536 H64 k2048"]["path"] == "attn_decode_ws x32 + combine"
     assert cases["prefill deepseek bf16 T4096 S8192 H128 k2048"]["path"] == "attn_prefill_ws"
     tail = "attn_prefill_ws + attn_decode_ws x16 + combine (last 4 tokens)"  # the persistent kernel's last round
     assert cases["prefill 256+0 packed T4096 S8192 H64 k2048"]["path"] == tail

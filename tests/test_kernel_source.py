@@ -395,7 +395,7 @@ def test_lowering_is_the_same_in_every_process():
 # (tokens, heads, top-k, blocks a split at least, the plan's split count)
 SPLIT_PLANS = [
     (1, 64, 2048, 1, 32),  # GLM T1: one block per split, 32 blocks in flight
-    (1, 64, 2048, 2, 16),  # the warp-specialized split kernel: two blocks per split
+    (1, 64, 2048, 2, 16),  # a persistent prefill's tail: two blocks per split
     (17, 64, 2112, 1, 7),  # GLM T17: 119 blocks, one wave on 132 SMs (8 splits would be 136: two waves)
     (17, 64, 2112, 2, 7),  # ... 7 splits of 5 blocks, the last one 3
     (1, 64, 2112, 2, 11),  # 33 blocks: 16 splits would walk 3 blocks each, as 11 do
@@ -431,11 +431,11 @@ def test_decode_split_plan(tokens, heads, topk, min_blocks, splits):
 @pytest.mark.parametrize(
     "kind, geo, tokens, topk, target, plan",
     [
-        ("bf16", "glm-256+0-h64", 1, 2048, "cuda", "attn_decode_ws x16 + combine"),
+        ("bf16", "glm-256+0-h64", 1, 2048, "cuda", "attn_decode_ws x32 + combine"),
         ("bf16", "glm-256+0-h64", 17, 2112, "cuda", "attn_decode_ws x7 + combine"),  # 5 blocks per split
-        ("bf16", "deepseek-512+64-h128", 1, 2048, "cuda", "attn_decode_ws x16 + combine"),
-        ("packed", "glm-256+0-h64", 1, 2048, "cuda", "attn_decode_ws x16 + combine"),  # staged FP8 rows
-        ("packed", "deepseek-512+64-h128", 1, 2048, "cuda", "attn_decode_ws x16 + combine"),  # widened in place
+        ("bf16", "deepseek-512+64-h128", 1, 2048, "cuda", "attn_decode_ws x32 + combine"),
+        ("packed", "glm-256+0-h64", 1, 2048, "cuda", "attn_decode_ws x32 + combine"),  # staged FP8 rows
+        ("packed", "deepseek-512+64-h128", 1, 2048, "cuda", "attn_decode_ws x32 + combine"),  # widened in place
         ("packed", "glm-256+0-h64", 17, 2112, "cuda", "attn_decode_ws x7 + combine"),
         ("packed", "deepseek-512+64-h128", 256, 2048, "cuda", "attn_prefill_ws"),
         ("bf16", "glm-256+0-h64", 1, 2048, "hip", "attn_decode x32 + combine"),  # no warp specialization

@@ -73,7 +73,7 @@ _EXPORTS = {
         "plan_splits",
         "plan_tail",
         "TOPK_BLOCK",
-        "WS_SPLIT_BLOCKS",
+        "TAIL_SPLIT_BLOCKS",
         "TAIL_MIN_BLOCKS",
         "TAIL_MIN_SPLITS",
     ),

@@ -19,7 +19,7 @@ from .plan import DEFAULT_CTAS, ws_persistent, ws_supported, ws_transposed
 
 __all__ = [
     "TOPK_BLOCK",
-    "WS_SPLIT_BLOCKS",
+    "TAIL_SPLIT_BLOCKS",
     "TAIL_MIN_BLOCKS",
     "TAIL_MIN_SPLITS",
     "AttnKernels",
@@ -34,12 +34,11 @@ __all__ = [
 # always takes 64-row blocks): a split is whole blocks of a token's top-k range, whose width is a multiple of it.
 TOPK_BLOCK = DEFAULT_TILES["decode"]["block_i"]
 
-# Top-k blocks the warp-specialized split kernel keeps a split at least: with one its producer has no next block to
-# gather while the consumers compute. The transposed consumers' split kernels (1-32 heads) take one block or more: at
-# T 1 and 4, 32 splits of one block of a 2048-wide top-k were faster than 16 of two (H100, DeepSeek packed T 1: 8 heads
-# 8.8 -> 7.4 us, 16 heads 9.5 -> 7.7; T 4: 9.6 -> 8.4 and 10.7 -> 9.4; BENCHMARKS.md). At 128 heads one block a split
-# was faster too (T 1 12.0 -> 10.7 us), but the plain consumers' GPU tests have not run so.
-WS_SPLIT_BLOCKS = 2
+# Top-k blocks a split of a persistent prefill's tail keeps at least: with two its producer has a next block to gather
+# while the consumers compute. A decode's split kernels take one block a split or more: at T 1 and 4, 32 splits of
+# one block of a 2048-wide top-k were faster than 16 of two (H100, DeepSeek packed T 1: 8 heads 8.8 -> 7.4 us,
+# 16 heads 9.5 -> 7.7, 128 heads 12.0 -> 10.7; T 4: 9.6 -> 8.4 and 10.7 -> 9.4; BENCHMARKS.md).
+TAIL_SPLIT_BLOCKS = 2
 
 # The last, partial round of a persistent prefill (items not a multiple of its CTAs, one per SM) keeps a few SMs busy
 # for a whole item while the others idle: its tokens take the split path instead, where that splits their top-k
@@ -169,12 +168,10 @@ def plan_launch(
     :func:`plan_splits` splits their top-k ranges (a decode: too few (token, head block) items to fill the GPU),
     else the prefill takes them, all but a persistent prefill's last partial round (:func:`plan_tail`).
     GLM packed prefill T 4096 at 64 heads on 132 SMs, sm_90: the persistent prefill over 4092 tokens, the last 4
-    in 16 splits; a decode T 1 at 64 heads: 16 splits of the warp-specialized split kernel (32 of the transposed
-    one at 32 heads or fewer, and of the portable one elsewhere)."""
+    in 16 splits; a decode T 1 at 64 heads: 32 splits of one top-k block each."""
     assert tokens >= 1, "a call of no tokens launches nothing"
     kernels = attn_kernels(geo, sm90, sm_count, transposed, sink, max_logits)
-    min_blocks = WS_SPLIT_BLOCKS if kernels.split.warp_specialized and not kernels.split.transposed else 1
-    splits = plan_splits(tokens, geo.heads, topk, sm_count, min_blocks)
+    splits = plan_splits(tokens, geo.heads, topk, sm_count)
     if splits > 1:
         return AttnLaunch(kernels, tokens, 0, splits)
     if kernels.ctas:  # a persistent prefill
@@ -214,5 +211,5 @@ def plan_tail(tokens: int, heads: int, topk: int, ctas: int, sm_count: int) -> t
     main = tokens // step * step
     if main in (0, tokens) or topk // TOPK_BLOCK < TAIL_MIN_BLOCKS:
         return tokens, 1
-    splits = plan_splits(tokens - main, heads, topk, sm_count, WS_SPLIT_BLOCKS)
+    splits = plan_splits(tokens - main, heads, topk, sm_count, TAIL_SPLIT_BLOCKS)
     return (main, splits) if splits >= TAIL_MIN_SPLITS else (tokens, 1)
