@@ -19,8 +19,9 @@ core's M) by a query block ``[BT * Hp, D]`` (its N; Hp the heads padded to a pow
 butterfly in the portable and decode kernels; in the warp-specialized prefill, whose query block pads the heads to
 at least 8, a reduce-scatter after which each lane stores a quarter of its key row's tokens). On sm_90 (``ws`` keys)
 the kernels are warp-specialized: a producer warp loads key blocks by TMA into shared stages, and the consumer
-warpgroups run FP8 wgmma and the epilogue; the prefill's two consumer warpgroups take alternate key blocks and order
-their GEMMs (ping-pong) so that one's epilogue runs under the other's GEMM. Other targets (and bf16 queries) run a
+warpgroups run FP8 wgmma and the epilogue; the prefill's CTA holds two query blocks, one a consumer warpgroup, that
+both read each key block from one shared stage (half the key loads a token), and the two order their GEMMs
+(ping-pong) so that one's epilogue runs under the other's GEMM. Other targets (and bf16 queries) run a
 portable kernel of the same tiling with ``T.gemm``.
 
 Nothing is read or written out of bounds for any index value: slots outside ``[0, P * page)`` are skipped by stores
@@ -81,13 +82,12 @@ GATHER_ROWS = 32  # rows per block of the gather
 # Logits kernels.
 BN = 64  # key rows per GEMM (one warpgroup's M)
 QN = 128  # query rows (tokens x padded heads) per GEMM: its N
-# Key columns a prefill CTA takes (grid: token blocks x column chunks; :func:`logits_cols`): at most LOGITS_CHUNK,
-# fewer where the token blocks alone leave the GPU short of LOGITS_WAVES CTAs an SM, down to LOGITS_MIN_COLS.
+# Key columns a prefill CTA takes (grid: CTAs of tokens x column chunks; :func:`logits_cols`): at most LOGITS_CHUNK,
+# fewer where the tokens' CTAs alone leave the GPU short of LOGITS_WAVES CTAs an SM, down to LOGITS_MIN_COLS.
 LOGITS_CHUNK = 16384
 LOGITS_MIN_COLS = 2048
 LOGITS_WAVES = 2
-WS_STAGES = 3  # shared key stages per consumer warpgroup of the prefill
-WS_PAIR = False  # the planned prefill kernel takes two query blocks a CTA (IndexLogitsKey.pair)
+WS_STAGES = 6  # shared key stages of the prefill (both consumer warpgroups read each)
 # Heads of the warp-specialized prefill's query block at least (fewer are padded with zero weights): from 8 a column
 # group of the accumulator lies in one token, which the epilogue's reduce-scatter over a key row's four lanes needs.
 WS_MIN_HP = 8
@@ -389,25 +389,17 @@ def build_gather_index_k(key: GatherIndexKey):
 @dataclass(frozen=True)
 class IndexLogitsKey:
     """The ragged prefill logits kernel: head dim ``dim``, ``heads`` indexer heads, queries of ``q_dtype``
-    ("float8_e4m3fn" or "bfloat16"); ``ws`` picks the warp-specialized sm_90 kernel (FP8 queries only), ``pair``
-    gives its CTA two query blocks, one a consumer warpgroup, that share each key block's stage (half the key loads a
-    token)."""
+    ("float8_e4m3fn" or "bfloat16"); ``ws`` picks the warp-specialized sm_90 kernel (FP8 queries only)."""
 
     dim: int
     heads: int
     q_dtype: str = "float8_e4m3fn"
     ws: bool = True
-    pair: bool = False
-
-    @property
-    def block_tokens(self) -> int:
-        """The query tokens of a CTA."""
-        return head_padding(self.heads, self.ws)[1] * (2 if self.pair else 1)
 
     @property
     def name(self) -> str:
         q = Q_DTYPES.get(self.q_dtype, self.q_dtype)
-        return f"index_logits_d{self.dim}_h{self.heads}_q{q}{'_ws' if self.ws else ''}{'_pair' if self.pair else ''}"
+        return f"index_logits_d{self.dim}_h{self.heads}_q{q}{'_ws' if self.ws else ''}"
 
     def __str__(self) -> str:
         return self.name
@@ -455,6 +447,12 @@ def head_padding(heads: int, ws: bool = False) -> tuple[int, int]:
     return hp, max(1, QN // hp)
 
 
+def cta_tokens(heads: int, ws: bool) -> int:
+    """The query tokens of a prefill CTA: a query block of :func:`head_padding`, two in the warp-specialized kernel
+    (one a consumer warpgroup)."""
+    return head_padding(heads, ws)[1] * (2 if ws else 1)
+
+
 def ws_supported(dim: int, heads: int, q_dtype: str) -> bool:
     """Whether the warp-specialized prefill kernel takes this geometry: FP8 queries, and key rows the TMA unit
     moves in one box (at most 256 bytes)."""
@@ -469,21 +467,19 @@ def paged_ws_supported(dim: int, heads: int, page: int, q_dtype: str) -> bool:
     return ws_supported(dim, heads, q_dtype) and fits
 
 
-def logits_cols(tokens: int, heads: int, keys: int, sms: int, ws: bool, pair: bool = False) -> int:
-    """The ``cols`` argument of the prefill kernel (warp-specialized where ``ws``, else the portable one: their token
-    blocks, :func:`head_padding`, two a CTA where ``pair``) for ``tokens`` queries of ``heads`` heads against ``keys``
-    keys on ``sms`` SMs:
-    LOGITS_CHUNK where the token blocks fill the GPU; fewer (a multiple of 64, at least LOGITS_MIN_COLS) where they do
+def logits_cols(tokens: int, heads: int, keys: int, sms: int, ws: bool) -> int:
+    """The ``cols`` argument of the prefill kernel (warp-specialized where ``ws``, else the portable one: the tokens of
+    their CTAs, :func:`cta_tokens`) for ``tokens`` queries of ``heads`` heads against ``keys`` keys on ``sms`` SMs:
+    LOGITS_CHUNK where the tokens' CTAs fill the GPU; fewer (a multiple of 64, at least LOGITS_MIN_COLS) where they do
     not (a chunk of ``index_topk``, a short prompt), so that the CTAs number about LOGITS_WAVES an SM."""
-    blocks = -(-max(tokens, 1) // (head_padding(heads, ws)[1] * (2 if pair else 1)))
+    blocks = -(-max(tokens, 1) // cta_tokens(heads, ws))
     cols = -(-blocks * max(keys, 1) // (LOGITS_WAVES * max(sms, 1)))
     return min(LOGITS_CHUNK, max(LOGITS_MIN_COLS, -(-cols // BN) * BN))
 
 
 def index_logits_key(dim: int, heads: int, q_dtype: str, target: str) -> IndexLogitsKey:
     """The prefill kernel for ``target`` ("cuda" = sm_90, or "hip"): warp-specialized where supported."""
-    ws = target == "cuda" and ws_supported(dim, heads, q_dtype)
-    return IndexLogitsKey(dim, heads, q_dtype, ws=ws, pair=ws and WS_PAIR)
+    return IndexLogitsKey(dim, heads, q_dtype, ws=target == "cuda" and ws_supported(dim, heads, q_dtype))
 
 
 def paged_logits_key(dim: int, heads: int, page: int, q_dtype: str, target: str) -> PagedLogitsKey:
@@ -596,17 +592,16 @@ def build_index_logits(key: IndexLogitsKey):
 
 
 def _build_logits_ws(key: IndexLogitsKey):
-    """Warp-specialized prefill (sm_90). Warpgroups 0 and 1 consume alternate key blocks of 64 rows (blocks 0, 2,
-    ... and 1, 3, ...), each from its own ``WS_STAGES`` shared stages; warpgroup 2 is the producer: its threads
-    stage the query block (zero rows for padded heads and tokens past T), its first warp loads the key blocks and
-    their scales by TMA (rows past N zero-filled), its other three write -inf outside the GEMM range. The consumers
-    order their GEMMs: warpgroup 0's i-th after warpgroup 1's (i-1)-th is issued, warpgroup 1's i-th after
-    warpgroup 0's i-th, so that each one's epilogue (relu, weights, the sum over heads, stores) overlaps the
-    other's GEMM. With ``key.pair`` the CTA takes two query blocks, warpgroup g the g-th, and both consume every key
-    block from one set of twice the stages, each released when both have read it."""
-    dim, heads, pair = key.dim, key.heads, key.pair
-    bt = key.block_tokens
-    stages = _ws_stages(key)
+    """Warp-specialized prefill (sm_90). A CTA takes two query blocks (:func:`cta_tokens`): warpgroups 0 and 1 score
+    every key block of 64 rows against the first and the second, reading it from one of ``WS_STAGES`` shared stages
+    that both release; warpgroup 2 is the producer: its threads stage the query blocks (zero rows for padded heads and
+    tokens past T), its first warp loads the key blocks and their scales by TMA (rows past N zero-filled), its other
+    three write -inf outside the GEMM range. The consumers order their GEMMs: warpgroup 0's i-th after warpgroup 1's
+    (i-1)-th is issued, warpgroup 1's i-th after warpgroup 0's i-th, so that each one's epilogue (relu, weights, the
+    sum over heads, stores) overlaps the other's GEMM. Sharing a key block between two query blocks halves the key
+    loads a token (against a query block a CTA, each warpgroup taking alternate key blocks)."""
+    dim, heads = key.dim, key.heads
+    bt, stages = cta_tokens(heads, ws=True), WS_STAGES
     t_count, n_count = T.dynamic("t"), T.dynamic("n")
     produce, consume = _ws_producer(key, t_count), _ws_consumer(key, t_count)
 
@@ -622,25 +617,13 @@ def _build_logits_ws(key: IndexLogitsKey):
         cols: T.int32,
     ):
         with T.Kernel(T.ceildiv(t_count, bt), T.ceildiv(n_count, cols), threads=384, prelude=WS_EPILOGUE) as (bx, by):
-            q_s = T.alloc_shared((QN * (2 if pair else 1), dim), T.float8_e4m3fn)
-            if pair:  # one set of stages that both consumer warpgroups read
-                k_s0 = k_s1 = T.alloc_shared((stages, BN, dim), T.float8_e4m3fn)
-                sc_s0 = sc_s1 = T.alloc_shared((stages, BN), T.float32)
-            else:
-                k_s0 = T.alloc_shared((stages, BN, dim), T.float8_e4m3fn)
-                k_s1 = T.alloc_shared((stages, BN, dim), T.float8_e4m3fn)
-                sc_s0 = T.alloc_shared((stages, BN), T.float32)
-                sc_s1 = T.alloc_shared((stages, BN), T.float32)
+            q_s = T.alloc_shared((2 * QN, dim), T.float8_e4m3fn)
+            k_s = T.alloc_shared((stages, BN, dim), T.float8_e4m3fn)
+            sc_s = T.alloc_shared((stages, BN), T.float32)
             tok_lo = T.alloc_shared((bt,), T.int32)
             tok_hi = T.alloc_shared((bt,), T.int32)
-            if pair:  # a stage is full on the producer warp's lanes (and the TMA bytes), empty on both warpgroups
-                full0 = full1 = T.alloc_barrier([32] * stages)
-                empty0 = empty1 = T.alloc_barrier([256] * stages)
-            else:
-                full0 = T.alloc_barrier([32] * stages)  # the producer warp's lanes (and the TMA bytes)
-                full1 = T.alloc_barrier([32] * stages)
-                empty0 = T.alloc_barrier([128] * stages)
-                empty1 = T.alloc_barrier([128] * stages)
+            full = T.alloc_barrier([32] * stages)  # the producer warp's lanes (and the TMA bytes)
+            empty = T.alloc_barrier([256] * stages)  # both consumer warpgroups
             turn = T.alloc_barrier([128, 128])  # turn[g]: warpgroup g may issue its next GEMM
             q_ready = T.alloc_barrier(128)
             acc0 = T.alloc_fragment((BN, QN), T.float32)
@@ -649,10 +632,10 @@ def _build_logits_ws(key: IndexLogitsKey):
             w1 = T.alloc_local((QN // 4,), T.float32)
             scale0 = T.alloc_local((1,), T.float32)
             scale1 = T.alloc_local((1,), T.float32)
-            # each consumer warpgroup's own stages, barriers and registers
+            # each consumer warpgroup's own registers
             wg = (
-                SimpleNamespace(k_s=k_s0, sc_s=sc_s0, full=full0, empty=empty0, acc=acc0, w=w0, scale=scale0),
-                SimpleNamespace(k_s=k_s1, sc_s=sc_s1, full=full1, empty=empty1, acc=acc1, w=w1, scale=scale1),
+                SimpleNamespace(acc=acc0, w=w0, scale=scale0),
+                SimpleNamespace(acc=acc1, w=w1, scale=scale1),
             )
             rng = T.alloc_local((4,), T.int32)
             t0 = bx * bt
@@ -664,6 +647,10 @@ def _build_logits_ws(key: IndexLogitsKey):
             # what both kinds of warpgroup read (as attributes, which keep their names in the generated source)
             c = SimpleNamespace(
                 q_s=q_s,
+                k_s=k_s,
+                sc_s=sc_s,
+                full=full,
+                empty=empty,
                 turn=turn,
                 q_ready=q_ready,
                 weights=weights,
@@ -675,7 +662,7 @@ def _build_logits_ws(key: IndexLogitsKey):
             tx = T.get_thread_binding()
             if tx >= 256:
                 T.set_max_nreg(WS_NREG[1], 0)
-                produce(q, k, k_scale, c, wg, t0, c0, c1, b0, nb)
+                produce(q, k, k_scale, c, t0, c0, c1, b0, nb)
             elif tx < 128:
                 T.set_max_nreg(WS_NREG[0], 1)
                 consume(0, wg[0], c, t0, b0, nb)
@@ -686,30 +673,18 @@ def _build_logits_ws(key: IndexLogitsKey):
     return index_logits
 
 
-def _ws_stages(key: IndexLogitsKey) -> int:
-    """The shared key stages of a consumer warpgroup of the prefill (shared by both where ``key.pair``)."""
-    return WS_STAGES * (2 if key.pair else 1)
-
-
 def _ws_producer(key: IndexLogitsKey, t_count):
-    """The producer warpgroup of :func:`_build_logits_ws` (threads 256-383): the query block into ``c.q_s``, then
-    warp 0 the key blocks and scales into the consumers' stages ``wg`` in turn, warps 1-3 the -inf outside the GEMM
-    range. With ``key.pair`` both query blocks, and every key block into the one set of stages."""
-    dim, heads, stages = key.dim, key.heads, _ws_stages(key)
-    hp, bt = head_padding(heads, ws=True)[0], key.block_tokens
+    """The producer warpgroup of :func:`_build_logits_ws` (threads 256-383): both query blocks into ``c.q_s``, then
+    warp 0 every key block and its scales into the stages ``c.k_s`` / ``c.sc_s`` in turn, warps 1-3 the -inf outside
+    the GEMM range."""
+    dim, heads, stages = key.dim, key.heads, WS_STAGES
+    hp, bt = head_padding(heads, ws=True)[0], cta_tokens(heads, ws=True)
     fill_lanes = 96  # the producer's warps 1-3
-    q_chunks = QN * dim // 16 * (2 if key.pair else 1)  # 16-byte chunks of the query block(s)
-    assert q_chunks % 128 == 0, "the producer warpgroup stages the query block in whole 16-byte chunks"
+    q_chunks = 2 * QN * dim // 16  # 16-byte chunks of the query blocks
+    assert q_chunks % 128 == 0, "the producer warpgroup stages the query blocks in whole 16-byte chunks"
 
     @T.macro
-    def load_keys(k, k_scale, g, s, phase, j0):
-        T.barrier_wait(g.empty[s], phase)
-        T.tma_copy(k[j0 : j0 + BN, :], g.k_s[s, :, :], barrier=g.full[s])
-        T.tma_copy(k_scale[j0 : j0 + BN], g.sc_s[s, :], barrier=g.full[s])
-        T.barrier_arrive(g.full[s])
-
-    @T.macro
-    def produce(q, k, k_scale, c, wg, t0, c0, c1, b0, nb):
+    def produce(q, k, k_scale, c, t0, c0, c1, b0, nb):
         ptx = T.get_thread_binding() - 256
         for it in T.serial(q_chunks // 128):
             r = (it * 128 + ptx) // (dim // 16)
@@ -723,18 +698,14 @@ def _ws_producer(key: IndexLogitsKey, t_count):
                 )
         T.fence_proxy_async()  # generic stores, read by wgmma through the async proxy
         T.barrier_arrive(c.q_ready)
-        if ptx < 32 and key.pair:
+        if ptx < 32:
             for i in T.serial(nb):
-                load_keys(k, k_scale, wg[0], i % stages, ((i // stages) & 1) ^ 1, (b0 + i) * BN)
-        elif ptx < 32:
-            for i in T.serial(nb):
-                it = i // 2
-                s = it % stages
+                s = i % stages
                 j0 = (b0 + i) * BN
-                if i % 2 == 0:
-                    load_keys(k, k_scale, wg[0], s, ((it // stages) & 1) ^ 1, j0)
-                else:
-                    load_keys(k, k_scale, wg[1], s, ((it // stages) & 1) ^ 1, j0)
+                T.barrier_wait(c.empty[s], ((i // stages) & 1) ^ 1)
+                T.tma_copy(k[j0 : j0 + BN, :], c.k_s[s, :, :], barrier=c.full[s])
+                T.tma_copy(k_scale[j0 : j0 + BN], c.sc_s[s, :], barrier=c.full[s])
+                T.barrier_arrive(c.full[s])
         else:
             _fill_outside(c.logits, t0, c0, c1, b0, nb, t_count, ptx - 32, fill_lanes, bt)
 
@@ -742,59 +713,47 @@ def _ws_producer(key: IndexLogitsKey, t_count):
 
 
 def _ws_consumer(key: IndexLogitsKey, t_count):
-    """Consumer warpgroup ``g`` of :func:`_build_logits_ws`: its key blocks' GEMMs, in turn with the other
-    warpgroup's, and their epilogue (``indexer_epilogue.cuh``) into ``c.logits``. With ``key.pair`` warpgroup g
-    takes every key block against the g-th query block (its tokens from ``t0 + g * bt``)."""
+    """Consumer warpgroup ``g`` of :func:`_build_logits_ws`: every key block's GEMM against the g-th query block (its
+    tokens from ``t0 + g * bt``), in turn with the other warpgroup's, and their epilogue (``indexer_epilogue.cuh``)
+    into ``c.logits``."""
     hp, bt = head_padding(key.heads, ws=True)
-    heads, stages, pair = key.heads, _ws_stages(key), key.pair
-
-    @T.macro
-    def store(wg, c, t0, t_count, j0, tok):
-        T.call_extern(
-            "handle",
-            f"dsa_index_block<{hp}>",
-            wg.acc.data,
-            wg.w.data,
-            wg.scale[0],
-            c.logits.data,
-            T.cast(c.logits.shape[1], T.int64),
-            t0,
-            t_count,
-            j0,
-            T.address_of(c.tok_lo[tok]),
-            T.address_of(c.tok_hi[tok]),
-            (j0 >= c.rng[2]) & (j0 + BN <= c.rng[3]),
-        )
+    heads, stages = key.heads, WS_STAGES
 
     @T.macro
     def consume(g, wg, c, t0, b0, nb):
-        # (buffers read as attributes keep their own names in the generated source; with ``pair`` this warpgroup's
-        # query block starts at token t0 + g * bt and takes every key block, else the alternate ones)
-        tw = t0 + g * bt if pair else t0
+        # (buffers read as attributes keep their own names in the generated source)
+        tw = t0 + g * bt
         T.call_extern("handle", f"dsa_index_weights<{hp}>", c.weights.data, heads, tw, t_count, wg.w.data)
         T.barrier_wait(c.q_ready, 0)
-        for it in T.serial(nb if pair else (nb - g + 1) // 2):
+        for it in T.serial(nb):
             s = it % stages
-            T.barrier_wait(wg.full[s], (it // stages) & 1)
+            T.barrier_wait(c.full[s], (it // stages) & 1)
             if g == 1:
                 T.barrier_wait(c.turn[1], it & 1)
             elif it > 0:
                 T.barrier_wait(c.turn[0], (it - 1) & 1)
-            if pair:
-                T.wgmma_gemm(
-                    wg.k_s[s, :, :], c.q_s[g * QN : g * QN + QN, :], wg.acc, transpose_B=True, clear_accum=True
-                )
-            else:
-                T.wgmma_gemm(wg.k_s[s, :, :], c.q_s, wg.acc, transpose_B=True, clear_accum=True)
+            T.wgmma_gemm(c.k_s[s, :, :], c.q_s[g * QN : g * QN + QN, :], wg.acc, transpose_B=True, clear_accum=True)
             T.barrier_arrive(c.turn[1 - g])
             T.wait_wgmma(0)
             # the scale of the key row this thread stores, read before the stage is released
-            wg.scale[0] = wg.sc_s[s, T.call_extern(T.int32, "dsa_index_row")]
-            T.barrier_arrive(wg.empty[s])
-            if pair:
-                store(wg, c, tw, t_count, (b0 + it) * BN, g * bt)
-            else:
-                store(wg, c, tw, t_count, (b0 + 2 * it + g) * BN, 0)
+            wg.scale[0] = c.sc_s[s, T.call_extern(T.int32, "dsa_index_row")]
+            T.barrier_arrive(c.empty[s])
+            j0 = (b0 + it) * BN
+            T.call_extern(
+                "handle",
+                f"dsa_index_block<{hp}>",
+                wg.acc.data,
+                wg.w.data,
+                wg.scale[0],
+                c.logits.data,
+                T.cast(c.logits.shape[1], T.int64),
+                tw,
+                t_count,
+                j0,
+                T.address_of(c.tok_lo[g * bt]),
+                T.address_of(c.tok_hi[g * bt]),
+                (j0 >= c.rng[2]) & (j0 + BN <= c.rng[3]),
+            )
 
     return consume
 

@@ -10,7 +10,6 @@ tolerance derived below. Inputs are hostile (sentinel slot ids and page-table en
 rows, lengths 0, 1, page, page + 1 and past W), outputs are NaN before the call and unread cache bytes are NaN.
 """
 
-import dataclasses
 import functools
 import re
 
@@ -104,11 +103,11 @@ def test_key_names_spell_the_specialization():
     [
         (4096, 64, 65536, ix.LOGITS_CHUNK),  # a whole prompt: its token blocks fill the GPU
         (4096, 8, 65536, ix.LOGITS_CHUNK),
-        (220, 64, 65536, ix.LOGITS_CHUNK),  # an index_topk chunk at 64 heads: 110 blocks of 2 tokens, 4 chunks each
-        (220, 8, 65536, 3520),  # at 8 heads, 14 blocks of 16 tokens: 19 chunks each, about 2 CTAs an SM
+        (220, 64, 65536, 13696),  # an index_topk chunk at 64 heads: 55 CTAs of 4 tokens, 5 chunks each
+        (220, 8, 65536, ix.LOGITS_MIN_COLS),  # at 8 heads, 7 CTAs of 32 tokens: the smallest chunks, 32 each
         (1, 8, 65536, ix.LOGITS_MIN_COLS),  # one token: the smallest chunks
         (300, 1, 100, ix.LOGITS_MIN_COLS),  # fewer keys than the smallest chunk
-        (4096, 1, 65536, ix.LOGITS_CHUNK),  # one head: the warp-specialized kernel's blocks of 16 tokens fill the GPU
+        (4096, 1, 65536, ix.LOGITS_CHUNK),  # one head: the warp-specialized kernel's CTAs of 32 tokens fill the GPU
     ],
 )
 def test_prefill_columns_a_cta_fill_the_gpu(tokens, heads, keys, cols):
@@ -116,16 +115,11 @@ def test_prefill_columns_a_cta_fill_the_gpu(tokens, heads, keys, cols):
     assert got == cols and got % ix.BN == 0
 
 
-def test_prefill_columns_follow_a_pair_of_query_blocks():
-    # 8 heads, 220 tokens: 7 CTAs of two 16-token blocks take the smallest chunks (14 blocks of one take 3520)
-    assert ix.IndexLogitsKey(D, 8, pair=True).block_tokens == 32
-    assert ix.logits_cols(220, 8, 65536, 132, ws=True, pair=True) == ix.LOGITS_MIN_COLS
-    assert ix.logits_cols(4096, 8, 65536, 132, ws=True, pair=True) == ix.LOGITS_CHUNK
-
-
 def test_prefill_columns_follow_the_portable_kernels_blocks():
-    # one head: the portable kernel's 32 blocks of 128 tokens take 8000 columns a CTA for about 2 CTAs an SM
+    # one head: the portable kernel's 32 blocks of 128 tokens take 8000 columns a CTA for about 2 CTAs an SM; the
+    # warp-specialized kernel's CTA takes two query blocks of 16 tokens
     assert ix.head_padding(1) == (1, 128) and ix.head_padding(1, ws=True) == (ix.WS_MIN_HP, 16)
+    assert ix.cta_tokens(1, ws=False) == 128 and ix.cta_tokens(1, ws=True) == 32
     assert ix.logits_cols(4096, 1, 65536, 132, ws=False) == 8000
 
 
@@ -177,9 +171,11 @@ def test_cache_kernels_read_and_write_only_valid_slots(key, target):
 def test_index_logits_ws_kernel_structure():
     key = ix.index_logits_key(D, 64, "float8_e4m3fn", "cuda")
     src = body(lowered(key, "cuda"))
-    # FP8 wgmma of a 64-row key block by the 128-row query block; keys and their scales arrive by TMA only
+    # FP8 wgmma of a 64-row key block by a 128-row query block; keys and their scales arrive by TMA only, each key
+    # block once into stages that both consumer warpgroups release (the second reads the second query block)
     assert "wgmma_ss<tl::DataType::kFloat8_e4m3, tl::DataType::kFloat8_e4m3, tl::DataType::kFloat32, 64, 128, 32" in src
-    assert "CUtensorMap k_desc" in src and "CUtensorMap k_scale_desc" in src and src.count("tl::tma_load(") == 4
+    assert "CUtensorMap k_desc" in src and "CUtensorMap k_scale_desc" in src and src.count("tl::tma_load(") == 2
+    assert "empty[0].init(256)" in src and src.count("q_s)[0])) + 16384))") == 1
     # three roles (two consumer warpgroups, the producer), each syncing through named barriers of its own only
     assert "__launch_bounds__(384, 1)" in src
     roles = re.split(r"warpgroup_reg_(?:alloc|dealloc)<\d+>", src)[1:]
@@ -229,10 +225,8 @@ def test_paged_portable_kernel_reads_only_valid_rows():
 
 
 @needs_nvcc
-@pytest.mark.parametrize("pair", [False, True], ids=["one-block", "pair"])
-def test_index_logits_ws_compiles_without_spills(tmp_path, pair):
-    key = dataclasses.replace(ix.index_logits_key(D, 64, "float8_e4m3fn", "cuda"), pair=pair)
-    log = compile_sm90a(lowered(key, "cuda"), tmp_path)
+def test_index_logits_ws_compiles_without_spills(tmp_path):
+    log = compile_sm90a(lowered(ix.index_logits_key(D, 64, "float8_e4m3fn", "cuda"), "cuda"), tmp_path)
     assert_no_spills(log)
     assert_no_serialized_wgmma(log)
 
@@ -270,7 +264,6 @@ SWEEP_KEYS = (
         for q, ws in (("float8_e4m3fn", True), ("float8_e4m3fn", False), ("bfloat16", False))
         if d == D or h in (8, 64)
     ]
-    + [ix.IndexLogitsKey(d, h, pair=True) for d in (64, 128, 256) for h in (1, 8, 64, 128) if d == D or h in (8, 64)]
     + [
         ix.PagedLogitsKey(D, h, p, q, ws)
         for h in PAGED_HEADS
@@ -467,8 +460,9 @@ def ragged_ranges(t_count: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(ks, dtype=torch.int32), torch.tensor(ke, dtype=torch.int32)
 
 
-# (heads, T, N): token counts that leave a partial token block, key counts past one 16384-column chunk where the
-# reference stays small; 3 and 5 heads are padded to the warp-specialized kernel's 8 (zero weights)
+# (heads, T, N): token counts whose last CTA's second query block is partial (32 heads) or empty, key counts past
+# one 16384-column chunk where the reference stays small; 3 and 5 heads are padded to the warp-specialized kernel's
+# 8 (zero weights)
 PREFILL_CASES = [
     (1, 300, 17084),
     (3, 40, 5000),
@@ -504,14 +498,11 @@ def run_prefill(key, q, k, k_scale, weights, ks, ke, cols=None):
 @pytest.mark.cuda
 @pytest.mark.parametrize("heads, t_count, n", PREFILL_CASES, ids=[f"h{c[0]}" for c in PREFILL_CASES])
 @pytest.mark.parametrize("cols", [None, 576], ids=["planned-cols", "cols576"])
-@pytest.mark.parametrize("pair", [False, True], ids=["one-block", "pair"])
-def test_index_logits_ws(heads, t_count, n, cols, pair):
-    # (576 columns a CTA: chunk edges that are no power of two, inside the tokens' ranges; a pair of query blocks a
-    # CTA: a token count below, at and past the second block)
-    key = dataclasses.replace(ix.index_logits_key(D, heads, "float8_e4m3fn", "cuda"), pair=pair)
+def test_index_logits_ws(heads, t_count, n, cols):
+    # (576 columns a CTA: chunk edges that are no power of two, inside the tokens' ranges)
+    key = ix.index_logits_key(D, heads, "float8_e4m3fn", "cuda")
     assert key.ws
     inputs = prefill_inputs(heads, t_count, n, FP8)
-    cols = cols or ix.logits_cols(t_count, heads, n, 132, key.ws, key.pair)
     got, valid = run_prefill(key, *inputs, cols=cols)
     want, mag, _ = ref_logits(inputs[0].float(), inputs[1].float(), *inputs[2:4], valid)
     check_logits(got, want, mag, EXACT_REL)

@@ -84,7 +84,7 @@ def index_logits(q, k, k_scale, weights, ks, ke):
     if not k.shape[0]:
         return logits  # (no columns)
     key = builders.index_logits_key(dim, heads, _Q_DTYPES[q.dtype], target())
-    cols = builders.logits_cols(tokens, heads, k.shape[0], sm_count(q.device), key.ws, key.pair)
+    cols = builders.logits_cols(tokens, heads, k.shape[0], sm_count(q.device), key.ws)
     kernel(key)(aligned(q), aligned(k), aligned(k_scale), aligned(weights), aligned(ks), aligned(ke), logits, cols)
     return logits
 
@@ -154,7 +154,7 @@ def index_topk(q, k, k_scale, weights, ks, ke, topk, out_width=None):
     for t0 in range(0, tokens, rows):
         t1 = min(t0 + rows, tokens)
         chunk = logits[: t1 - t0]  # [t, N], contiguous
-        cols = builders.logits_cols(t1 - t0, heads, num_keys, sms, key.ws, key.pair)
+        cols = builders.logits_cols(t1 - t0, heads, num_keys, sms, key.ws)
         ranges = aligned(ks[t0:t1]), aligned(ke[t0:t1])
         score(aligned(q[t0:t1]), k, k_scale, aligned(weights[t0:t1]), *ranges, chunk, cols)
         select(out[t0:t1], chunk, lengths[t0:t1], topk, ks[t0:t1])
