@@ -714,15 +714,15 @@ def _ws_producer(key: IndexLogitsKey, t_count):
 
 def _ws_consumer(key: IndexLogitsKey, t_count):
     """Consumer warpgroup ``g`` of :func:`_build_logits_ws`: every key block's GEMM against the g-th query block (its
-    tokens from ``t0 + g * bt``), in turn with the other warpgroup's, and their epilogue (``indexer_epilogue.cuh``)
-    into ``c.logits``."""
-    hp, bt = head_padding(key.heads, ws=True)
+    tokens from ``t0 + g * bq``, ``bq`` the tokens of a query block), in turn with the other warpgroup's, and their
+    epilogue (``indexer_epilogue.cuh``) into ``c.logits``."""
+    hp, bq = head_padding(key.heads, ws=True)
     heads, stages = key.heads, WS_STAGES
 
     @T.macro
     def consume(g, wg, c, t0, b0, nb):
         # (buffers read as attributes keep their own names in the generated source)
-        tw = t0 + g * bt
+        tw = t0 + g * bq
         T.call_extern("handle", f"dsa_index_weights<{hp}>", c.weights.data, heads, tw, t_count, wg.w.data)
         T.barrier_wait(c.q_ready, 0)
         for it in T.serial(nb):
@@ -750,8 +750,8 @@ def _ws_consumer(key: IndexLogitsKey, t_count):
                 tw,
                 t_count,
                 j0,
-                T.address_of(c.tok_lo[g * bt]),
-                T.address_of(c.tok_hi[g * bt]),
+                T.address_of(c.tok_lo[g * bq]),
+                T.address_of(c.tok_hi[g * bq]),
                 (j0 >= c.rng[2]) & (j0 + BN <= c.rng[3]),
             )
 
