@@ -44,6 +44,7 @@ __all__ = [
     "QuantIndexKey",
     "GatherIndexKey",
     "IndexLogitsKey",
+    "IndexFilterKey",
     "PagedLogitsKey",
     "head_padding",
     "default_split_pages",
@@ -58,6 +59,7 @@ __all__ = [
     "build_quant_index",
     "build_gather_index_k",
     "build_index_logits",
+    "build_index_filter",
     "build_paged_index_logits",
     "pass_configs",
 ]
@@ -94,6 +96,7 @@ WS_MIN_HP = 8
 # The warp-specialized prefill's epilogue (dsa_index_weights, dsa_index_block), injected into its kernel's prelude.
 WS_EPILOGUE = Path(__file__).with_name("indexer_epilogue.cuh").read_text()
 WS_NREG = (216, 72)  # setmaxnreg budgets of the prefill: consumer warpgroups, producer warpgroup (3 x 168 at launch)
+FILTER_BARRIER = 12  # the named barriers of the filter's consumer warpgroups: 12 and 13 (TileLang takes the first)
 PAGED_SPLIT_TOKENS = 1024  # positions per decode CTA (at least): a 128K-token row spreads over 128 CTAs
 PAGED_STAGES = 4  # shared tile stages of the decode consumer
 PORTABLE_THREADS = 256
@@ -395,11 +398,31 @@ class IndexLogitsKey:
     heads: int
     q_dtype: str = "float8_e4m3fn"
     ws: bool = True
+    # False: -inf only where ``topk(logits, ke - ks, starts=ks)`` reads a column outside the token's logits range
+    # (``index_topk``'s chunks: a causal prompt's columns past each token are never written), not the whole row
+    fill_all: bool = True
 
     @property
     def name(self) -> str:
         q = Q_DTYPES.get(self.q_dtype, self.q_dtype)
-        return f"index_logits_d{self.dim}_h{self.heads}_q{q}{'_ws' if self.ws else ''}"
+        fill = "" if self.fill_all else "_cand"
+        return f"index_logits_d{self.dim}_h{self.heads}_q{q}{'_ws' if self.ws else ''}{fill}"
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True)
+class IndexFilterKey:
+    """``index_topk``'s filter kernel (sm_90, FP8 queries; :func:`build_index_filter`): head dim ``dim``, ``heads``
+    indexer heads."""
+
+    dim: int
+    heads: int
+
+    @property
+    def name(self) -> str:
+        return f"index_filter_d{self.dim}_h{self.heads}_ws"
 
     def __str__(self) -> str:
         return self.name
@@ -477,9 +500,11 @@ def logits_cols(tokens: int, heads: int, keys: int, sms: int, ws: bool) -> int:
     return min(LOGITS_CHUNK, max(LOGITS_MIN_COLS, -(-cols // BN) * BN))
 
 
-def index_logits_key(dim: int, heads: int, q_dtype: str, target: str) -> IndexLogitsKey:
-    """The prefill kernel for ``target`` ("cuda" = sm_90, or "hip"): warp-specialized where supported."""
-    return IndexLogitsKey(dim, heads, q_dtype, ws=target == "cuda" and ws_supported(dim, heads, q_dtype))
+def index_logits_key(dim: int, heads: int, q_dtype: str, target: str, fill_all: bool = True) -> IndexLogitsKey:
+    """The prefill kernel for ``target`` ("cuda" = sm_90, or "hip"): warp-specialized where supported; ``fill_all``
+    as :class:`IndexLogitsKey`."""
+    ws = target == "cuda" and ws_supported(dim, heads, q_dtype)
+    return IndexLogitsKey(dim, heads, q_dtype, ws=ws, fill_all=fill_all)
 
 
 def paged_logits_key(dim: int, heads: int, page: int, q_dtype: str, target: str) -> PagedLogitsKey:
@@ -549,22 +574,40 @@ def _store_block(logits, lg, sc, tok_lo, tok_hi, rng, t0, j0, t_count, bt: int):
 
 
 @T.macro
-def _fill_outside(logits, t0, c0, c1, b0, nb, t_count, lane, lanes: int, bt: int):
-    """-inf into this CTA's columns ``[c0, c1)`` outside the GEMM range ``[b0 * 64, (b0 + nb) * 64)`` (all of them
-    when ``nb == 0``) for each of its tokens, by ``lanes`` threads (``lane`` is this one's place)."""
-    edge = T.alloc_local((2,), T.int32)
+def _fill_outside(logits, ks, ke, t0, c0, c1, b0, nb, t_count, lane, lanes: int, bt: int, fill_all: bool):
+    """-inf outside the GEMM range ``[b0 * 64, (b0 + nb) * 64)`` (all of it when ``nb == 0``) for each of this
+    CTA's tokens, by ``lanes`` threads (``lane`` is this one's place): into the CTA's columns ``[c0, c1)`` where
+    ``fill_all``; else only into the token's top-k candidates ``[ks, ks + (ke - ks))`` (the length wrapped to int32
+    as the composition computes it, the sum in int64), which lie outside its logits range only where that length
+    wraps."""
+    edge = T.alloc_local((4,), T.int32)  # the GEMM range, then a token's columns to fill
     edge[0] = T.if_then_else(nb > 0, b0 * BN, c1)
     edge[1] = T.if_then_else(nb > 0, T.min((b0 + nb) * BN, c1), c1)
     gs = edge[0]
     ge = edge[1]
     for i in T.serial(bt):
         if t0 + i < t_count:
-            for c in T.serial(T.ceildiv(gs - c0, lanes)):
-                if c0 + c * lanes + lane < gs:
-                    logits[t0 + i, c0 + c * lanes + lane] = -T.infinity(T.float32)
-            for c in T.serial(T.ceildiv(c1 - ge, lanes)):
-                if ge + c * lanes + lane < c1:
-                    logits[t0 + i, ge + c * lanes + lane] = -T.infinity(T.float32)
+            if fill_all:
+                for c in T.serial(T.ceildiv(gs - c0, lanes)):
+                    if c0 + c * lanes + lane < gs:
+                        logits[t0 + i, c0 + c * lanes + lane] = -T.infinity(T.float32)
+                for c in T.serial(T.ceildiv(c1 - ge, lanes)):
+                    if ge + c * lanes + lane < c1:
+                        logits[t0 + i, ge + c * lanes + lane] = -T.infinity(T.float32)
+            else:
+                t = t0 + i
+                wrapped = T.cast(T.cast(ke[t], T.uint32) - T.cast(ks[t], T.uint32), T.int32)
+                stop = T.cast(ks[t], T.int64) + T.cast(wrapped, T.int64)
+                edge[2] = T.max(T.max(ks[t], 0), c0)
+                edge[3] = T.cast(T.max(T.min(stop, T.cast(c1, T.int64)), T.cast(c0, T.int64)), T.int32)
+                lo = edge[2]
+                hi = edge[3]
+                for c in T.serial(T.ceildiv(T.max(T.min(gs, hi) - lo, 0), lanes)):
+                    if lo + c * lanes + lane < T.min(gs, hi):
+                        logits[t0 + i, lo + c * lanes + lane] = -T.infinity(T.float32)
+                for c in T.serial(T.ceildiv(T.max(hi - T.max(ge, lo), 0), lanes)):
+                    if T.max(ge, lo) + c * lanes + lane < hi:
+                        logits[t0 + i, T.max(ge, lo) + c * lanes + lane] = -T.infinity(T.float32)
 
 
 def build_index_logits(key: IndexLogitsKey):
@@ -591,6 +634,26 @@ def build_index_logits(key: IndexLogitsKey):
     return _build_logits_portable(key)
 
 
+def build_index_filter(key: IndexFilterKey):
+    """``index_topk``'s filter, called as ``fn(q, k, k_scale, weights, lo, hi, pos_base, guess, vals, pos, count)``:
+
+    - ``q``, ``k``, ``k_scale``, ``weights``: as :func:`build_index_logits` (FP8 queries)
+    - ``lo``, ``hi`` : ``[T]`` int32, each token's candidate keys ``[lo, hi)`` (any values; clipped to ``[0, N)``)
+    - ``pos_base`` : ``[T]`` int32, a candidate's position is its key minus ``pos_base`` (``ks``)
+    - ``guess`` : ``[T]`` float32, the least logit a candidate may have
+    - ``vals``, ``pos`` : ``[T, cap]`` float32 / int32, each token's list: the logits of :func:`build_index_logits`
+      at or above its guess (never NaN) inside its range, and their positions, in key order; the first ``cap``
+      of them (nothing is written past ``count`` or ``cap``)
+    - ``count`` : ``[T]`` int32, written whole: the number of such keys, also past ``cap``
+
+    Grid: ``ceil(T / bt)`` (:func:`cta_tokens`), a CTA over every key of its tokens so that one warpgroup appends
+    to a token's list in key order.
+    """
+    _check_logits_key(key.dim, key.heads, "float8_e4m3fn")
+    assert ws_supported(key.dim, key.heads, "float8_e4m3fn"), f"{key.name}: no warp-specialized kernel for it"
+    return _build_filter_ws(key)
+
+
 def _build_logits_ws(key: IndexLogitsKey):
     """Warp-specialized prefill (sm_90). A CTA takes two query blocks (:func:`cta_tokens`): warpgroups 0 and 1 score
     every key block of 64 rows against the first and the second, reading it from one of ``WS_STAGES`` shared stages
@@ -601,9 +664,9 @@ def _build_logits_ws(key: IndexLogitsKey):
     sum over heads, stores) overlaps the other's GEMM. Sharing a key block between two query blocks halves the key
     loads a token (against a query block a CTA, each warpgroup taking alternate key blocks)."""
     dim, heads = key.dim, key.heads
-    bt, stages = cta_tokens(heads, ws=True), WS_STAGES
+    bt = cta_tokens(heads, ws=True)
     t_count, n_count = T.dynamic("t"), T.dynamic("n")
-    produce, consume = _ws_producer(key, t_count), _ws_consumer(key, t_count)
+    cta = _ws_cta(key, t_count, _ws_consumer(key, t_count, _logits_epilogue(key, t_count)))
 
     @T.prim_func
     def index_logits(
@@ -617,71 +680,140 @@ def _build_logits_ws(key: IndexLogitsKey):
         cols: T.int32,
     ):
         with T.Kernel(T.ceildiv(t_count, bt), T.ceildiv(n_count, cols), threads=384, prelude=WS_EPILOGUE) as (bx, by):
-            q_s = T.alloc_shared((2 * QN, dim), T.float8_e4m3fn)
-            k_s = T.alloc_shared((stages, BN, dim), T.float8_e4m3fn)
-            sc_s = T.alloc_shared((stages, BN), T.float32)
-            tok_lo = T.alloc_shared((bt,), T.int32)
-            tok_hi = T.alloc_shared((bt,), T.int32)
-            full = T.alloc_barrier([32] * stages)  # the producer warp's lanes (and the TMA bytes)
-            empty = T.alloc_barrier([256] * stages)  # both consumer warpgroups
-            turn = T.alloc_barrier([128, 128])  # turn[g]: warpgroup g may issue its next GEMM
-            q_ready = T.alloc_barrier(128)
-            acc0 = T.alloc_fragment((BN, QN), T.float32)
-            acc1 = T.alloc_fragment((BN, QN), T.float32)
-            w0 = T.alloc_local((QN // 4,), T.float32)  # the weights of a thread's accumulator columns
-            w1 = T.alloc_local((QN // 4,), T.float32)
-            scale0 = T.alloc_local((1,), T.float32)
-            scale1 = T.alloc_local((1,), T.float32)
-            # each consumer warpgroup's own registers
-            wg = (
-                SimpleNamespace(acc=acc0, w=w0, scale=scale0),
-                SimpleNamespace(acc=acc1, w=w1, scale=scale1),
-            )
-            rng = T.alloc_local((4,), T.int32)
-            t0 = bx * bt
             c0 = by * cols
-            c1 = T.min(c0 + cols, n_count)
-            _token_bounds(ks, ke, t0, c0, c1, t_count, bt, tok_lo, tok_hi, rng)
-            b0 = rng[0] // BN
-            nb = T.if_then_else(rng[0] < rng[1], T.ceildiv(rng[1], BN) - b0, 0)
-            # what both kinds of warpgroup read (as attributes, which keep their names in the generated source)
-            c = SimpleNamespace(
-                q_s=q_s,
-                k_s=k_s,
-                sc_s=sc_s,
-                full=full,
-                empty=empty,
-                turn=turn,
-                q_ready=q_ready,
-                weights=weights,
-                logits=logits,
-                tok_lo=tok_lo,
-                tok_hi=tok_hi,
-                rng=rng,
-            )
-            tx = T.get_thread_binding()
-            if tx >= 256:
-                T.set_max_nreg(WS_NREG[1], 0)
-                produce(q, k, k_scale, c, t0, c0, c1, b0, nb)
-            elif tx < 128:
-                T.set_max_nreg(WS_NREG[0], 1)
-                consume(0, wg[0], c, t0, b0, nb)
-            else:
-                T.set_max_nreg(WS_NREG[0], 1)
-                consume(1, wg[1], c, t0, b0, nb)
+            cta(q, k, k_scale, weights, ks, ke, SimpleNamespace(logits=logits), bx * bt, c0, T.min(c0 + cols, n_count))
 
     return index_logits
 
 
-def _ws_producer(key: IndexLogitsKey, t_count):
-    """The producer warpgroup of :func:`_build_logits_ws` (threads 256-383): both query blocks into ``c.q_s``, then
-    warp 0 every key block and its scales into the stages ``c.k_s`` / ``c.sc_s`` in turn, warps 1-3 the -inf outside
-    the GEMM range."""
+def _build_filter_ws(key: "IndexFilterKey"):
+    """``index_topk``'s filter (sm_90): the CTA of :func:`_build_logits_ws` over every key of its tokens (grid: the
+    token blocks alone), whose consumers append each token's logits at or above its guess to the token's list in key
+    order (``dsa_filter_block``) instead of storing them; the producer writes nothing."""
+    dim, heads = key.dim, key.heads
+    bt = cta_tokens(heads, ws=True)
+    t_count, n_count, cap = T.dynamic("t"), T.dynamic("n"), T.dynamic("cap")
+    cta = _ws_cta(key, t_count, _ws_consumer(key, t_count, _filter_epilogue(key, t_count)))
+
+    @T.prim_func
+    def index_filter(
+        q: T.Tensor((t_count, heads, dim), T.float8_e4m3fn),
+        k: T.Tensor((n_count, dim), T.float8_e4m3fn),
+        k_scale: T.Tensor((n_count,), T.float32),
+        weights: T.Tensor((t_count, heads), T.float32),
+        lo: T.Tensor((t_count,), T.int32),
+        hi: T.Tensor((t_count,), T.int32),
+        pos_base: T.Tensor((t_count,), T.int32),
+        guess: T.Tensor((t_count,), T.float32),
+        vals: T.Tensor((t_count, cap), T.float32),
+        pos: T.Tensor((t_count, cap), T.int32),
+        count: T.Tensor((t_count,), T.int32),
+    ):
+        with T.Kernel(T.ceildiv(t_count, bt), threads=384, prelude=WS_EPILOGUE) as bx:
+            out = SimpleNamespace(pos_base=pos_base, guess=guess, vals=vals, pos=pos, count=count)
+            cta(q, k, k_scale, weights, lo, hi, out, bx * bt, 0, n_count)
+
+    return index_filter
+
+
+def _ws_cta(key, t_count, consume):
+    """The body of a warp-specialized prefill CTA (:func:`_build_logits_ws`) of tokens from ``t0`` over the key
+    columns ``[c0, c1)``: its shared stages, barriers and registers, the tokens' ranges, then the producer and the two
+    ``consume`` warpgroups. ``out``: the output buffers, read by the warpgroups as attributes of ``c``."""
+    dim, stages = key.dim, WS_STAGES
+    bt, bq = cta_tokens(key.heads, ws=True), head_padding(key.heads, ws=True)[1]
+    produce = _ws_producer(key, t_count)
+    held = max(1, bq // 2)
+
+    @T.macro
+    def no_filter():
+        return ({}, {}), {}
+
+    @T.macro
+    def filter_registers():
+        g0 = T.alloc_local((held,), T.float32)
+        g1 = T.alloc_local((held,), T.float32)
+        base0 = T.alloc_local((held,), T.int32)
+        base1 = T.alloc_local((held,), T.int32)
+        cnt0 = T.alloc_local((held,), T.int32)
+        cnt1 = T.alloc_local((held,), T.int32)
+        totals = T.alloc_shared((2, 2 * bq * 4), T.int32)
+        regs = (dict(g=g0, base=base0, cnt=cnt0), dict(g=g1, base=base1, cnt=cnt1))
+        return regs, dict(totals=totals)
+
+    alloc_filter = filter_registers if isinstance(key, IndexFilterKey) else no_filter
+
+    @T.macro
+    def cta(q, k, k_scale, weights, ks, ke, out, t0, c0, c1):
+        q_s = T.alloc_shared((2 * QN, dim), T.float8_e4m3fn)
+        k_s = T.alloc_shared((stages, BN, dim), T.float8_e4m3fn)
+        sc_s = T.alloc_shared((stages, BN), T.float32)
+        tok_lo = T.alloc_shared((bt,), T.int32)
+        tok_hi = T.alloc_shared((bt,), T.int32)
+        full = T.alloc_barrier([32] * stages)  # the producer warp's lanes (and the TMA bytes)
+        empty = T.alloc_barrier([256] * stages)  # both consumer warpgroups
+        turn = T.alloc_barrier([128, 128])  # turn[g]: warpgroup g may issue its next GEMM
+        q_ready = T.alloc_barrier(128)
+        acc0 = T.alloc_fragment((BN, QN), T.float32)
+        acc1 = T.alloc_fragment((BN, QN), T.float32)
+        w0 = T.alloc_local((QN // 4,), T.float32)  # the weights of a thread's accumulator columns
+        w1 = T.alloc_local((QN // 4,), T.float32)
+        scale0 = T.alloc_local((1,), T.float32)
+        scale1 = T.alloc_local((1,), T.float32)
+        # each consumer warpgroup's own registers (the filter's: a thread's tokens' guesses, position bases and
+        # counts), the filter's warps' counts of a block by token
+        regs, extra = alloc_filter()
+        wg = (
+            SimpleNamespace(acc=acc0, w=w0, scale=scale0, **regs[0]),
+            SimpleNamespace(acc=acc1, w=w1, scale=scale1, **regs[1]),
+        )
+        rng = T.alloc_local((4,), T.int32)
+        _token_bounds(ks, ke, t0, c0, c1, t_count, bt, tok_lo, tok_hi, rng)
+        b0 = rng[0] // BN
+        nb = T.if_then_else(rng[0] < rng[1], T.ceildiv(rng[1], BN) - b0, 0)
+        # what both kinds of warpgroup read (as attributes, which keep their names in the generated source)
+        c = SimpleNamespace(
+            q_s=q_s,
+            k_s=k_s,
+            sc_s=sc_s,
+            full=full,
+            empty=empty,
+            turn=turn,
+            q_ready=q_ready,
+            weights=weights,
+            ks=ks,
+            ke=ke,
+            tok_lo=tok_lo,
+            tok_hi=tok_hi,
+            rng=rng,
+            n=c1,
+            **vars(out),
+            **extra,
+        )
+        tx = T.get_thread_binding()
+        if tx >= 256:
+            T.set_max_nreg(WS_NREG[1], 0)
+            produce(q, k, k_scale, c, t0, c0, c1, b0, nb)
+        elif tx < 128:
+            T.set_max_nreg(WS_NREG[0], 1)
+            consume(0, wg[0], c, t0, b0, nb)
+        else:
+            T.set_max_nreg(WS_NREG[0], 1)
+            consume(1, wg[1], c, t0, b0, nb)
+
+    return cta
+
+
+def _ws_producer(key, t_count):
+    """The producer warpgroup of :func:`_ws_cta` (threads 256-383): both query blocks into ``c.q_s``, then warp 0
+    every key block and its scales into the stages ``c.k_s`` / ``c.sc_s`` in turn, warps 1-3 the -inf outside the
+    GEMM range (the logits kernels; the filter writes no logits)."""
     dim, heads, stages = key.dim, key.heads, WS_STAGES
     hp, bt = head_padding(heads, ws=True)[0], cta_tokens(heads, ws=True)
     fill_lanes = 96  # the producer's warps 1-3
     q_chunks = 2 * QN * dim // 16  # 16-byte chunks of the query blocks
     assert q_chunks % 128 == 0, "the producer warpgroup stages the query blocks in whole 16-byte chunks"
+    fills = isinstance(key, IndexLogitsKey)
 
     @T.macro
     def produce(q, k, k_scale, c, t0, c0, c1, b0, nb):
@@ -706,16 +838,16 @@ def _ws_producer(key: IndexLogitsKey, t_count):
                 T.tma_copy(k[j0 : j0 + BN, :], c.k_s[s, :, :], barrier=c.full[s])
                 T.tma_copy(k_scale[j0 : j0 + BN], c.sc_s[s, :], barrier=c.full[s])
                 T.barrier_arrive(c.full[s])
-        else:
-            _fill_outside(c.logits, t0, c0, c1, b0, nb, t_count, ptx - 32, fill_lanes, bt)
+        elif fills:
+            _fill_outside(c.logits, c.ks, c.ke, t0, c0, c1, b0, nb, t_count, ptx - 32, fill_lanes, bt, key.fill_all)
 
     return produce
 
 
-def _ws_consumer(key: IndexLogitsKey, t_count):
-    """Consumer warpgroup ``g`` of :func:`_build_logits_ws`: every key block's GEMM against the g-th query block (its
-    tokens from ``t0 + g * bq``, ``bq`` the tokens of a query block), in turn with the other warpgroup's, and their
-    epilogue (``indexer_epilogue.cuh``) into ``c.logits``."""
+def _ws_consumer(key, t_count, epilogue):
+    """Consumer warpgroup ``g`` of :func:`_ws_cta`: every key block's GEMM against the g-th query block (its tokens
+    from ``t0 + g * bq``, ``bq`` the tokens of a query block), in turn with the other warpgroup's, each followed by
+    ``epilogue`` (its ``begin`` before the first block, ``block`` after each GEMM, ``end`` after the last)."""
     hp, bq = head_padding(key.heads, ws=True)
     heads, stages = key.heads, WS_STAGES
 
@@ -724,6 +856,7 @@ def _ws_consumer(key: IndexLogitsKey, t_count):
         # (buffers read as attributes keep their own names in the generated source)
         tw = t0 + g * bq
         T.call_extern("handle", f"dsa_index_weights<{hp}>", c.weights.data, heads, tw, t_count, wg.w.data)
+        epilogue.begin(g, wg, c, tw)
         T.barrier_wait(c.q_ready, 0)
         for it in T.serial(nb):
             s = it % stages
@@ -739,23 +872,92 @@ def _ws_consumer(key: IndexLogitsKey, t_count):
             wg.scale[0] = c.sc_s[s, T.call_extern(T.int32, "dsa_index_row")]
             T.barrier_arrive(c.empty[s])
             j0 = (b0 + it) * BN
-            T.call_extern(
-                "handle",
-                f"dsa_index_block<{hp}>",
-                wg.acc.data,
-                wg.w.data,
-                wg.scale[0],
-                c.logits.data,
-                T.cast(c.logits.shape[1], T.int64),
-                tw,
-                t_count,
-                j0,
-                T.address_of(c.tok_lo[g * bq]),
-                T.address_of(c.tok_hi[g * bq]),
-                (j0 >= c.rng[2]) & (j0 + BN <= c.rng[3]),
-            )
+            epilogue.block(g, wg, c, tw, it, j0, (j0 >= c.rng[2]) & (j0 + BN <= c.rng[3]))
+        epilogue.end(g, wg, c, tw)
 
     return consume
+
+
+def _logits_epilogue(key: IndexLogitsKey, t_count) -> SimpleNamespace:
+    """The logits kernel's epilogue (``dsa_index_block``): each key block's logits stored."""
+    hp, bq = head_padding(key.heads, ws=True)
+
+    @T.macro
+    def nothing(g, wg, c, tw):
+        pass
+
+    @T.macro
+    def block(g, wg, c, tw, it, j0, full):
+        T.call_extern(
+            "handle",
+            f"dsa_index_block<{hp}>",
+            wg.acc.data,
+            wg.w.data,
+            wg.scale[0],
+            c.logits.data,
+            T.cast(c.logits.shape[1], T.int64),
+            tw,
+            t_count,
+            j0,
+            T.address_of(c.tok_lo[g * bq]),
+            T.address_of(c.tok_hi[g * bq]),
+            full,
+        )
+
+    return SimpleNamespace(begin=nothing, block=block, end=nothing)
+
+
+def _filter_epilogue(key: "IndexFilterKey", t_count) -> SimpleNamespace:
+    """The filter's epilogue: the tokens' guesses and position bases loaded (``dsa_filter_init``), each key block's
+    candidates appended (``dsa_filter_block``, the warpgroup's named barrier FILTER_BARRIER + g), the counts
+    stored (``dsa_filter_counts``)."""
+    hp, bq = head_padding(key.heads, ws=True)
+
+    @T.macro
+    def begin(g, wg, c, tw):
+        T.call_extern(
+            "handle",
+            f"dsa_filter_init<{hp}>",
+            c.guess.data,
+            c.pos_base.data,
+            tw,
+            t_count,
+            wg.g.data,
+            wg.base.data,
+            wg.cnt.data,
+        )
+
+    @T.macro
+    def block(g, wg, c, tw, it, j0, full):
+        T.call_extern(
+            "handle",
+            f"dsa_filter_block<{hp}>",
+            wg.acc.data,
+            wg.w.data,
+            wg.scale[0],
+            wg.g.data,
+            wg.base.data,
+            wg.cnt.data,
+            c.vals.access_ptr("w"),
+            c.pos.access_ptr("w"),
+            c.vals.shape[1],
+            tw,
+            t_count,
+            j0,
+            T.cast(c.n, T.int64),
+            T.address_of(c.tok_lo[g * bq]),
+            T.address_of(c.tok_hi[g * bq]),
+            full,
+            T.address_of(c.totals[g, 0]),
+            it & 1,
+            FILTER_BARRIER + g,
+        )
+
+    @T.macro
+    def end(g, wg, c, tw):
+        T.call_extern("handle", f"dsa_filter_counts<{hp}>", wg.cnt.data, c.count.access_ptr("w"), tw, t_count)
+
+    return SimpleNamespace(begin=begin, block=block, end=end)
 
 
 def _build_logits_portable(key: IndexLogitsKey):
@@ -796,7 +998,7 @@ def _build_logits_portable(key: IndexLogitsKey):
             b0 = rng[0] // BN
             nb = T.if_then_else(rng[0] < rng[1], T.ceildiv(rng[1], BN) - b0, 0)
             tx = T.get_thread_binding()
-            _fill_outside(logits, t0, c0, c1, b0, nb, t_count, tx, threads, bt)
+            _fill_outside(logits, ks, ke, t0, c0, c1, b0, nb, t_count, tx, threads, bt, key.fill_all)
             for r, d in T.Parallel(QN, dim):
                 q_s[r, d] = T.if_then_else(
                     (r % hp < heads) & (t0 + r // hp < t_count),

@@ -329,6 +329,8 @@ def test_gpu_loop_with_reference_kernels(gen, monkeypatch):
     launches = []
 
     def logits_kernel(key):
+        assert not key.fill_all  # -inf only into the columns top-k reads
+
         def run(q, k, k_scale, weights, ks, ke, logits, cols):
             assert cols > 0 and cols % 64 == 0  # the key columns of a CTA: whole 64-row key blocks
             launches.append((key.heads, q.shape[0], logits.shape[0]))
@@ -342,6 +344,7 @@ def test_gpu_loop_with_reference_kernels(gen, monkeypatch):
     monkeypatch.setattr(indexer, "kernel", logits_kernel)
     monkeypatch.setattr(indexer, "select", select)
     monkeypatch.setattr(indexer, "sm_count", lambda device: 132)
+    monkeypatch.setattr(indexer, "target", lambda: "hip")  # the composition's chunks (no filter kernel there)
     monkeypatch.setattr(indexer, "INDEX_TOPK_BYTES", 4 * 300 * 17)  # 17 rows fit; 16, a multiple of ROW_ALIGN
     q, k, k_scale, w = exact_inputs(gen, 46, 300, 4)
     ks = torch.randint(-3, 200, (46,), generator=gen, dtype=torch.int32)
@@ -349,6 +352,92 @@ def test_gpu_loop_with_reference_kernels(gen, monkeypatch):
     got = indexer.index_topk(q, k, k_scale, w, ks, ke, 24, 64)
     assert torch.equal(got, composed(q, k, k_scale, w, ks, ke, 24, 64))
     assert launches == [(4, 16, 16), (4, 16, 16), (4, 14, 14)]
+
+
+def reference_kernels(monkeypatch, launches):
+    """The GPU backend's kernels replaced by the reference (the logits kernels fill every column, which both fills
+    allow), each launch recorded in ``launches`` as (kernel, tokens)."""
+    from sparse_dsa_ops._cuda import indexer
+
+    def run_logits(q, k, k_scale, weights, ks, ke, logits, cols):
+        assert cols > 0 and cols % 64 == 0  # the key columns of a CTA: whole 64-row key blocks
+        logits.copy_(reference.index_logits(q, k, k_scale, weights, ks, ke))
+
+    def run_filter(q, k, k_scale, weights, lo, hi, pos_base, guess, vals, pos, count):
+        # each token's keys of [lo, hi) at or above its guess, in key order; the first cap of them listed
+        logits = reference.index_logits(q, k, k_scale, weights, lo, hi)
+        n, cap = k.shape[0], vals.shape[1]
+        for t in range(q.shape[0]):
+            a, b = min(max(int(lo[t]), 0), n), min(max(int(hi[t]), 0), n)
+            keep = (logits[t, a:b] >= guess[t]).nonzero().flatten()
+            count[t] = keep.numel()
+            listed = keep[:cap]
+            vals[t, : listed.numel()] = logits[t, a + listed]
+            pos[t, : listed.numel()] = (a + listed - int(pos_base[t])).int()
+
+    def kernel(key):
+        run = run_filter if isinstance(key, indexer.builders.IndexFilterKey) else run_logits
+
+        def launch(*args):
+            launches.append(key)
+            run(*args)
+
+        return launch
+
+    def select(out, logits, lengths, k, starts=None, page_table=None, row_request=None, page=0):
+        want = reference.topk(logits, lengths, k, starts, page_table, row_request, page or 64, out.shape[1])
+        out.copy_(want)
+
+    monkeypatch.setattr(indexer, "kernel", kernel)
+    monkeypatch.setattr(indexer, "select", select)
+    monkeypatch.setattr(indexer, "target", lambda: "cuda")
+    return indexer
+
+
+@pytest.mark.parametrize("capturing", [False, True], ids=["eager", "captured"])
+@pytest.mark.parametrize("heads", [8, 64])
+def test_filtered_scheme_with_reference_kernels(gen, monkeypatch, heads, capturing):
+    # the filtered scheme's loop on the CPU with reference kernels: chunks of a CTA's tokens, guesses from every 16th
+    # key, lists of 384 entries (k 24), hostile ranges (empty, past N, a wrapped length), a token whose logits all
+    # tie (its list overflows: the composition answers it) and random ones
+    launches = []
+    indexer = reference_kernels(monkeypatch, launches)
+    monkeypatch.setattr(indexer, "sm_count", lambda device: 1)
+    monkeypatch.setattr(indexer, "FILTER_BYTES", 1)  # chunks of one CTA's tokens
+    monkeypatch.setattr(indexer, "INDEX_TOPK_BYTES", 1)  # the composition's: one token
+    monkeypatch.setattr(indexer, "_capturing", lambda q: capturing)
+    t_count, n, topk = 70, 3000, 24
+    q, k, k_scale, w = make_inputs(gen, t_count, n, heads)
+    q[5] = 0  # every logit 0: more equal logits than a list holds
+    ks = torch.randint(-3, n // 2, (t_count,), generator=gen, dtype=torch.int32)
+    ke = ks + torch.randint(-10, n, (t_count,), generator=gen, dtype=torch.int32)
+    ks[:4], ke[:4] = i32([INT_MIN, 0, n + 5, 100]), i32([INT_MAX, 0, n + 50, INT_MIN + 50])
+    ks[5], ke[5] = 0, n
+    plan = indexer.plan_index_topk(t_count, n, heads, DIM, "float8_e4m3fn", topk, 1, "cuda")
+    assert plan.filtered and plan.cap == 384 and plan.rows == (32 if heads == 8 else 4)
+    got = indexer.index_topk(q, k, k_scale, w, ks, ke, topk, 40)
+    assert torch.equal(got, composed(q, k, k_scale, w, ks, ke, topk, 40))
+    filters = sum(isinstance(key, indexer.builders.IndexFilterKey) for key in launches)
+    assert filters == -(-t_count // plan.rows)
+    fallback = [key for key in launches if getattr(key, "fill_all", True) is False]
+    # the wrapped length and the tied token (2 of them) when eager, every token's chunks when captured
+    assert len(fallback) == (-(-t_count // indexer.index_topk_rows(t_count, n, 1, 1)) if capturing else 2)
+
+
+def test_filtered_scheme_plan():
+    from sparse_dsa_ops._cuda import indexer
+
+    plan = indexer.plan_index_topk(4096, 65536, 64, DIM, "float8_e4m3fn", 2048, 132, "cuda")
+    # k 2048: the 180th largest of the sampled logits; 2880 keys expected at or above it, lists of 3904
+    assert (plan.filtered, plan.step, plan.rank, plan.cap) == (True, 16, 180, 3904)
+    assert plan.rows * 8 * plan.cap <= indexer.FILTER_BYTES and plan.rows % indexer.ROW_ALIGN == 0
+    # 8 heads: 32 tokens a CTA, one an SM at least
+    assert indexer.plan_index_topk(8192, 65536, 8, DIM, "float8_e4m3fn", 2048, 132, "cuda").rows == 32 * 132
+    assert indexer.plan_index_topk(4096, 65536, 8, DIM, "float8_e4m3fn", 2048, 132, "cuda").rows == 4096
+    assert indexer.plan_index_topk(4096, 65536, 8, DIM, "float8_e4m3fn", 4096, 132, "cuda").cap <= indexer.LIST_MAX
+    for q_dtype, target in (("bfloat16", "cuda"), ("float8_e4m3fn", "hip")):
+        plan = indexer.plan_index_topk(4096, 65536, 8, DIM, q_dtype, 2048, 132, target)
+        assert not plan.filtered and plan.rows == indexer.index_topk_rows(4096, 65536, 132)
 
 
 # ------------------------------------------------------------------------------------------
@@ -392,6 +481,7 @@ def test_gather_index_k_2d_width_not_of_128_tokens():
 
 GPU_HEADS = [8, 64]
 GPU_TOPKS = [64, 2048]
+FILTER_HEADS = [1, 3, 8, 13, 64, 128]
 
 
 @pytest.fixture(scope="module")
@@ -399,7 +489,12 @@ def warm():
     from sparse_dsa_ops._cuda import indexer, selection
     from sparse_dsa_ops._cuda.compile import target
 
-    keys = [indexer.builders.index_logits_key(DIM, h, "float8_e4m3fn", target()) for h in GPU_HEADS]
+    keys = [
+        indexer.builders.index_logits_key(DIM, h, "float8_e4m3fn", target(), fill)
+        for h in GPU_HEADS
+        for fill in (True, False)
+    ]
+    keys += [indexer.builders.IndexFilterKey(DIM, h) for h in FILTER_HEADS]
     for topk in GPU_TOPKS:
         keys += selection.warmup_keys(topk, starts=(True,), paged=(False,))
     dsa._cuda.warmup(list(dict.fromkeys(keys)), workers=16, progress=False)
@@ -421,6 +516,38 @@ def on_cuda(args):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("heads", FILTER_HEADS, ids=lambda h: f"Hi{h}")
+def test_cuda_filter_lists_the_logits_at_or_above_the_guess(warm, gen, heads):
+    # the filter kernel alone against the logits kernel: each token's keys at or above its guess, in key order, as
+    # they are in the logits; counts past the list's end; nothing written past a list's entries
+    from sparse_dsa_ops._cuda import indexer
+    from sparse_dsa_ops._cuda.compile import kernel
+
+    t_count, n, cap = 77, 5000, 320
+    q, k, k_scale, w = on_cuda(make_inputs(gen, t_count, n, heads))
+    lo = torch.randint(-5, n // 2, (t_count,), generator=gen, dtype=torch.int32)
+    hi = lo + torch.randint(-10, n, (t_count,), generator=gen, dtype=torch.int32)
+    lo[:3], hi[:3] = i32([INT_MIN, n + 5, 0]), i32([INT_MAX, n + 50, n])
+    base = lo - torch.randint(0, 50, (t_count,), generator=gen, dtype=torch.int32)
+    lo, hi, base = on_cuda((lo, hi, base))
+    logits = dsa.index_logits(q, k, k_scale, w, lo, hi)  # [T, N], -inf outside each range
+    guess = logits.masked_fill(logits.isinf(), torch.nan).nanquantile(0.9, dim=1).nan_to_num(-math.inf)
+    guess[3] = -math.inf  # every key of its range (a list that overflows)
+    vals = torch.full((t_count, cap), torch.nan, device="cuda")
+    pos = torch.full((t_count, cap), -7, dtype=torch.int32, device="cuda")
+    count = torch.full((t_count,), -7, dtype=torch.int32, device="cuda")
+    kernel(indexer.builders.IndexFilterKey(DIM, heads))(q, k, k_scale, w, lo, hi, base, guess, vals, pos, count)
+    for t in range(t_count):
+        a, b = min(max(int(lo[t]), 0), n), min(max(int(hi[t]), 0), n)
+        keep = (logits[t, a:b] >= guess[t]).nonzero().flatten() + a
+        m = min(keep.numel(), cap)
+        assert int(count[t]) == keep.numel(), t
+        assert torch.equal(vals[t, :m], logits[t, keep[:m]]), t
+        assert torch.equal(pos[t, :m], (keep[:m] - base[t]).int()), t
+        assert vals[t, m:].isnan().all() and (pos[t, m:] == -7).all(), t
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("budget", ["default", "64-rows", "one-row"])
 @pytest.mark.parametrize("heads", GPU_HEADS, ids=lambda h: f"Hi{h}")
 def test_cuda_index_topk_is_the_cuda_composition(warm, gen, monkeypatch, heads, budget):
@@ -433,6 +560,8 @@ def test_cuda_index_topk_is_the_cuda_composition(warm, gen, monkeypatch, heads, 
     ks = torch.randint(-3, n // 2, (t_count,), generator=gen, dtype=torch.int32)
     ke = ks + torch.randint(-10, n, (t_count,), generator=gen, dtype=torch.int32)
     ks[:4], ke[:4] = i32([INT_MIN, 0, n + 5, 7]), i32([INT_MAX, 0, n + 50, 3])
+    # ke - ks below INT_MIN wraps to a long range: top-k reads columns past ke, -inf in the composition's logits
+    ks[4:6], ke[4:6] = i32([5, 100]), i32([INT_MIN + 2, INT_MIN + 50])
     for topk, out_width in ((64, None), (2048, 2112)):
         args = on_cuda((q, k, k_scale, w, ks, ke, topk, out_width))
         assert torch.equal(dsa.index_topk(*args), composed(*args))

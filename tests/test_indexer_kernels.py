@@ -264,6 +264,7 @@ SWEEP_KEYS = (
         for q, ws in (("float8_e4m3fn", True), ("float8_e4m3fn", False), ("bfloat16", False))
         if d == D or h in (8, 64)
     ]
+    + [ix.IndexLogitsKey(D, h, "float8_e4m3fn", ws, fill_all=False) for h, ws in ((8, True), (64, False))]
     + [
         ix.PagedLogitsKey(D, h, p, q, ws)
         for h in PAGED_HEADS

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -36,6 +37,7 @@ register_builder(builders.QuantIndexKey, builders.build_quant_index, builders.pa
 register_builder(builders.GatherIndexKey, builders.build_gather_index_k, builders.pass_configs)
 register_builder(builders.IndexLogitsKey, builders.build_index_logits, builders.pass_configs)
 register_builder(builders.PagedLogitsKey, builders.build_paged_index_logits, builders.pass_configs)
+register_builder(builders.IndexFilterKey, builders.build_index_filter, builders.pass_configs)
 
 _Q_DTYPES = {torch.float8_e4m3fn: "float8_e4m3fn", torch.bfloat16: "bfloat16"}
 
@@ -113,6 +115,14 @@ def paged_index_logits(layout, q, cache, weights, lengths, page_table):
 # call holds at most 64 MB beyond its inputs and output with the lengths and the odd alignment copy.
 INDEX_TOPK_BYTES = 56 << 20
 ROW_ALIGN = 4  # tokens: chunks of a multiple keep each chunk's slices of ks, ke and weights 16-byte aligned
+# The filtered scheme (:func:`plan_index_topk`): every SAMPLE_STEP-th key's logits guess each token's threshold, the
+# RANK-th largest of them where RANK * SAMPLE_STEP keys are expected at or above it, GUESS_SIGMAS standard deviations
+# of that count above k; a token's list holds as many more again.
+FILTER_BYTES = 48 << 20  # a chunk's lists (or sample logits): with the call's vectors and torch.topk's, within 64 MB
+SAMPLE_STEP = 16
+GUESS_SIGMAS = 4.5
+FILTER_ROW_BYTES = 8  # a list entry: the logit and its position
+LIST_MAX = 8192  # entries of a token's list at most: the one-CTA top-k reads a row of them once (its list's size)
 
 
 @functools.lru_cache(maxsize=256)
@@ -136,6 +146,38 @@ def index_topk_rows(tokens: int, keys: int, sms: int, budget: int = INDEX_TOPK_B
     return rows
 
 
+@dataclass(frozen=True)
+class IndexTopkPlan:
+    """What one ``index_topk`` call runs. ``filtered``: per chunk of ``rows`` tokens, the logits of every ``step``-th
+    key, each token's guess (the ``rank``-th largest of them), the filter kernel (each token's list of at most ``cap``
+    logits at or above its guess, in key order) and the top-k of the lists; tokens whose list cannot hold the answer
+    then run through the composition. Else chunks of ``rows`` tokens of the composition, ``index_logits`` then
+    ``topk``, each chunk's logits held at once."""
+
+    filtered: bool
+    rows: int
+    step: int = 0
+    rank: int = 0
+    cap: int = 0
+
+
+def plan_index_topk(tokens: int, keys: int, heads: int, dim: int, q_dtype: str, k: int, sms: int, target: str):
+    """The :class:`IndexTopkPlan` of a call: filtered where the filter kernel runs (sm_90, FP8 queries) and a token's
+    list fits LIST_MAX entries, its chunks the most tokens whose lists (or sample logits) fit FILTER_BYTES but at
+    least one CTA an SM (at few heads a CTA holds many tokens: 4224 lists of 3904 entries at 8 heads, 129 MB), a
+    multiple of ROW_ALIGN; else the composition's chunks (:func:`index_topk_rows`)."""
+    rank = math.ceil(k / SAMPLE_STEP + GUESS_SIGMAS * math.sqrt(k / SAMPLE_STEP)) + 1
+    expected = rank * SAMPLE_STEP
+    cap = -(-(expected + GUESS_SIGMAS * SAMPLE_STEP * math.sqrt(rank) + SAMPLE_STEP) // 64) * 64
+    ws = builders.index_logits_key(dim, heads, q_dtype, target).ws
+    if not ws or cap > LIST_MAX:
+        return IndexTopkPlan(False, index_topk_rows(tokens, keys, sms, INDEX_TOPK_BYTES))
+    row_bytes = max(4 * -(-keys // SAMPLE_STEP), FILTER_ROW_BYTES * int(cap))
+    rows = max(FILTER_BYTES // row_bytes, builders.cta_tokens(heads, ws=True) * sms)
+    rows = tokens if rows >= tokens else max(ROW_ALIGN, rows // ROW_ALIGN * ROW_ALIGN)
+    return IndexTopkPlan(True, rows, SAMPLE_STEP, rank, int(cap))
+
+
 def index_topk(q, k, k_scale, weights, ks, ke, topk, out_width=None):
     tokens, heads, dim = q.shape
     num_keys = k.shape[0]
@@ -145,36 +187,119 @@ def index_topk(q, k, k_scale, weights, ks, ke, topk, out_width=None):
     if not num_keys:
         return out.fill_(-1)  # no token has a candidate
     sms = sm_count(q.device)
-    rows = index_topk_rows(tokens, num_keys, sms, INDEX_TOPK_BYTES)
-    logits = torch.empty(rows, num_keys, dtype=torch.float32, device=q.device)  # every chunk's, in turn
+    plan = plan_index_topk(tokens, num_keys, heads, dim, _Q_DTYPES[q.dtype], topk, sms, target())
     lengths = ke - ks  # [T] int32, as the composition computes them
-    key = builders.index_logits_key(dim, heads, _Q_DTYPES[q.dtype], target())
-    score = kernel(key)
     k, k_scale = aligned(k), aligned(k_scale)
-    for t0 in range(0, tokens, rows):
-        t1 = min(t0 + rows, tokens)
-        chunk = logits[: t1 - t0]  # [t, N], contiguous
-        cols = builders.logits_cols(t1 - t0, heads, num_keys, sms, key.ws)
-        ranges = aligned(ks[t0:t1]), aligned(ke[t0:t1])
-        score(aligned(q[t0:t1]), k, k_scale, aligned(weights[t0:t1]), *ranges, chunk, cols)
-        select(out[t0:t1], chunk, lengths[t0:t1], topk, ks[t0:t1])
+    if not plan.filtered:
+        _composed(out, q, k, k_scale, weights, ks, ke, lengths, topk, plan.rows)
+        return out
+    failed = _filtered(out, plan, q, k, k_scale, weights, ks, ke, lengths, topk)
+    rows = index_topk_rows(tokens, num_keys, sms, INDEX_TOPK_BYTES)
+    # a graph replays whatever failed, so it holds the chunks of every token; else only of those that failed (a sync)
+    todo = tokens if _capturing(q) else int(failed.sum())
+    if todo:
+        order = torch.argsort(failed.logical_not().to(torch.uint8), stable=True)  # the failed tokens first
+        _composed(out, q, k, k_scale, weights, ks, ke, lengths, topk, rows, order[:todo], failed.sum())
     return out
+
+
+def _capturing(q) -> bool:
+    return q.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _composed(out, q, k, k_scale, weights, ks, ke, lengths, topk, rows, order=None, live=None) -> None:
+    """``topk(index_logits(...))`` into ``out`` in chunks of ``rows`` tokens, of every token, or of the tokens
+    ``order [m]`` (int64) of which the first ``live`` (a 0-d tensor) are written, the rest left as they are."""
+    tokens, heads, dim = q.shape
+    sms = sm_count(q.device)
+    count = tokens if order is None else order.shape[0]
+    logits = torch.empty(min(rows, count), k.shape[0], dtype=torch.float32, device=q.device)  # every chunk's
+    # (-inf only into columns the top-k reads: a causal prompt's logits past each token are never written)
+    key = builders.index_logits_key(dim, heads, _Q_DTYPES[q.dtype], target(), fill_all=False)
+    score = kernel(key)
+    for t0 in range(0, count, rows):
+        t1 = min(t0 + rows, count)
+        chunk = logits[: t1 - t0]  # [t, N], contiguous
+        cols = builders.logits_cols(t1 - t0, heads, k.shape[0], sms, key.ws)
+        if order is None:
+            score(
+                aligned(q[t0:t1]),
+                k,
+                k_scale,
+                aligned(weights[t0:t1]),
+                aligned(ks[t0:t1]),
+                aligned(ke[t0:t1]),
+                chunk,
+                cols,
+            )
+            select(out[t0:t1], chunk, lengths[t0:t1], topk, ks[t0:t1])
+            continue
+        idx = order[t0:t1]
+        on = torch.arange(t0, t1, device=q.device) < live  # [t]: a failed token (the rest: empty ranges, -1 rows)
+        starts, stops = torch.where(on, ks[idx], 0), torch.where(on, ke[idx], 0)
+        score(q[idx], k, k_scale, weights[idx], starts, stops, chunk, cols)
+        found = torch.empty(t1 - t0, out.shape[1], dtype=torch.int32, device=q.device)
+        select(found, chunk, stops - starts, topk, starts)
+        out.index_copy_(0, idx, torch.where(on[:, None], found, out[idx]))
+
+
+def _filtered(out, plan: IndexTopkPlan, q, k, k_scale, weights, ks, ke, lengths, topk) -> torch.Tensor:
+    """The filtered scheme of :class:`IndexTopkPlan` into ``out``; returns the tokens it could not answer ``[T]``
+    bool: a list that overflowed, fewer than ``topk`` logits at or above the guess (with more candidates than that;
+    NaN logits count as none), or a length ``ke - ks`` that wraps past int32 (its top-k reads -inf logits)."""
+    tokens, heads, dim = q.shape
+    num_keys, step, cap = k.shape[0], plan.step, plan.cap
+    dev = q.device
+    lo = ks.clamp(0, num_keys)
+    stop = ks.long() + lengths.long()
+    hi = torch.maximum(stop.clamp(0, num_keys).int(), lo)
+    wrapped = (stop != ke.long()) & (hi > lo)
+    hi = torch.where(wrapped, lo, hi)
+    sample_k, sample_scale = k[::step].contiguous(), k_scale[::step].contiguous()
+    n_sample = sample_k.shape[0]
+    sample_key = builders.index_logits_key(dim, heads, _Q_DTYPES[q.dtype], target())
+    pick = min(plan.rank, n_sample)
+    flat = torch.empty(plan.rows * max(4 * n_sample, FILTER_ROW_BYTES * cap), dtype=torch.uint8, device=dev)
+    count = torch.empty(tokens, dtype=torch.int32, device=dev)
+    sms = sm_count(dev)
+    for t0 in range(0, tokens, plan.rows):
+        t1 = min(t0 + plan.rows, tokens)
+        r = t1 - t0
+        qc, wc, lo_c, hi_c = aligned(q[t0:t1]), aligned(weights[t0:t1]), lo[t0:t1], hi[t0:t1]
+        sampled = flat[: 4 * r * n_sample].view(torch.float32).view(r, n_sample)
+        cols = builders.logits_cols(r, heads, n_sample, sms, sample_key.ws)
+        s_lo, s_hi = (lo_c + step - 1) // step, (hi_c + step - 1) // step
+        kernel(sample_key)(qc, sample_k, sample_scale, wc, s_lo, s_hi, sampled, cols)
+        guess = torch.topk(sampled, pick, dim=1).values[:, -1].contiguous()  # -inf where fewer sampled
+        if pick < plan.rank:
+            guess.fill_(-math.inf)  # every token has fewer sampled keys than the rank: all its keys are listed
+        lists = flat[: FILTER_ROW_BYTES * r * cap]
+        vals = lists[: 4 * r * cap].view(torch.float32).view(r, cap)
+        pos = lists[4 * r * cap :].view(torch.int32).view(r, cap)
+        kernel(builders.IndexFilterKey(dim, heads))(
+            qc, k, k_scale, wc, lo_c, hi_c, aligned(ks[t0:t1]), guess, vals, pos, count[t0:t1]
+        )
+        select(out[t0:t1], vals, count[t0:t1].clamp(max=cap), topk, page_table=pos, page=1)
+    return (count > cap) | ((count < topk) & (count < hi - lo)) | wrapped
 
 
 def index_topk_keys(heads: int, dim: int, q_dtype: str, tokens: int, keys: int, k: int, sms: int) -> list:
     """The kernels ``index_topk`` runs for ``tokens`` queries of ``heads`` x ``dim`` against ``keys`` keys on a GPU
-    of ``sms`` SMs: the logits kernel, and top-k's plans for a whole chunk and for the last."""
-    rows = index_topk_rows(tokens, keys, sms, INDEX_TOPK_BYTES)
-    last = tokens - (-(-tokens // rows) - 1) * rows
-    found = [builders.index_logits_key(dim, heads, q_dtype, target())]
-    for r in (rows, last):
-        found += plan_topk(r, keys, sms).keys(k, 0, True, False)
+    of ``sms`` SMs: the composition's logits kernel and both top-k schemes (its chunks, or the tokens the filtered
+    scheme hands it), and where filtered the sample's logits kernel, the filter and the lists' top-k."""
+    plan = plan_index_topk(tokens, keys, heads, dim, q_dtype, k, sms, target())
+    found = [builders.index_logits_key(dim, heads, q_dtype, target(), fill_all=False)]
+    found += TopkPlan(1, 0).keys(k, 0, True, False) + TopkPlan(2, 0).keys(k, 0, True, False)
+    if plan.filtered:
+        found += [builders.index_logits_key(dim, heads, q_dtype, target()), builders.IndexFilterKey(dim, heads)]
+        found += plan_topk(plan.rows, plan.cap, sms).keys(k, 1, False, False)
     return list(dict.fromkeys(found))
 
 
 def warmup_keys(heads=(), dim=128, page=64, round_scale=(False,), slot_dtypes=("int32",)) -> list:
     """The indexer kernels for ``heads`` (an int or several) at head dim ``dim`` and cache pages of ``page``
-    tokens: the quantizers, the gather, and both logits kernels for FP8 queries."""
+    tokens: the quantizers, the gather, and the logits kernels for FP8 queries (the prefill's in both fills, the
+    decode's)."""
     heads = (heads,) if isinstance(heads, int) else tuple(heads)
     if not heads:
         return []
@@ -184,6 +309,7 @@ def warmup_keys(heads=(), dim=128, page=64, round_scale=(False,), slot_dtypes=("
     for h in heads:
         keys += [
             builders.index_logits_key(dim, h, "float8_e4m3fn", target()),
+            builders.index_logits_key(dim, h, "float8_e4m3fn", target(), fill_all=False),  # index_topk's
             builders.paged_logits_key(dim, h, page, "float8_e4m3fn", target()),
         ]
     return keys
@@ -199,7 +325,7 @@ def source_keys(op: str, args) -> list:
     dim, page, q_dtype = args.index_dim, args.page, "float8_e4m3fn" if args.q == "fp8" else "bfloat16"
     if op == "index_topk":  # the logits kernel, then top-k's two schemes with starts
         schemes = TopkPlan(1, 0).keys(args.k, 0, True, False) + TopkPlan(2, 0).keys(args.k, 0, True, False)
-        return [builders.index_logits_key(dim, args.heads, q_dtype, args.target), *schemes]
+        return [builders.index_logits_key(dim, args.heads, q_dtype, args.target, fill_all=False), *schemes]
     return [
         {
             "quant_index": lambda: builders.QuantIndexKey(dim, 0, args.round_scale),
@@ -279,7 +405,14 @@ def _index_topk_case(heads: int, tokens: int, keys: int, causal: bool, fused: bo
 
     sms = sm_count(torch.device("cuda")) if torch.cuda.is_available() else 132
     kernels = index_topk_keys(heads, DIM, "float8_e4m3fn", tokens, keys, INDEX_TOPK_K, sms)
-    chunk = index_topk_rows(tokens, keys, sms)
+    plan = plan_index_topk(tokens, keys, heads, DIM, "float8_e4m3fn", INDEX_TOPK_K, sms, "cuda")
+    if not fused:
+        path = f"{builders.index_logits_key(DIM, heads, 'float8_e4m3fn', 'cuda').name} + top-k (one call)"
+    elif plan.filtered:
+        path = f"sample, {builders.IndexFilterKey(DIM, heads).name} (lists of {plan.cap}), top-k of the lists"
+        path += f" ({plan.rows} tokens a chunk)"
+    else:
+        path = f"{kernels[0].name} + top-k (chunks of {plan.rows} tokens)"
     what = "index_topk" if fused else "index_logits + topk"
     return dict(
         logits,
@@ -288,7 +421,7 @@ def _index_topk_case(heads: int, tokens: int, keys: int, causal: bool, fused: bo
         make=make,
         bytes=keys * (DIM + 4) + tokens * INDEX_TOPK_K * 4,
         keys=kernels,
-        path=f"{kernels[0].name} + top-k " + (f"(chunks of {chunk} tokens)" if fused else "(one call)"),
+        path=path,
         target=None,
         **({} if fused else {"run": composed}),
     )
@@ -352,6 +485,8 @@ def bench_cases() -> list[dict]:
     cases = [_logits_case(h, 4096, 65536, False) for h in (64, 32, 16, 8)]
     cases += [_logits_case(64, 4096, 65536, True)]
     cases += [_index_topk_case(h, 4096, 65536, c, f) for h in (64, 8) for c in (False, True) for f in (True, False)]
+    # a causal prompt of its own keys (token t sees t + 1 of them): half the logits lie past the tokens
+    cases += [_index_topk_case(h, 16384, 16384, True, f) for h in (64, 8) for f in (True, False)]
     cases += [_paged_case(h, b, 131072) for h in (64, 8) for b in (64, 1)]
     cases += [_store_case(op, rows) for op in ("quant_index", "store_index_k") for rows in (1 << 20, 16)]
     return cases
