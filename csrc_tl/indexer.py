@@ -737,7 +737,7 @@ def _ws_cta(key, t_count, consume):
         base1 = T.alloc_local((held,), T.int32)
         cnt0 = T.alloc_local((held,), T.int32)
         cnt1 = T.alloc_local((held,), T.int32)
-        totals = T.alloc_shared((2, 2 * bq * 4), T.int32)
+        totals = T.alloc_shared((2, 32), T.int32)  # a warpgroup's: 2 halves x 2 lane groups x 4 warps, 64 bits
         regs = (dict(g=g0, base=base0, cnt=cnt0), dict(g=g1, base=base1, cnt=cnt1))
         return regs, dict(totals=totals)
 

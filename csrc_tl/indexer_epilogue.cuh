@@ -127,48 +127,52 @@ __device__ __forceinline__ unsigned dsa_filter_before() {
 
 // One key block of index_topk's filter: the values of dsa_index_block at or above each token's guess g (never NaN),
 // inside its range, appended in key order to the token's list vals / pos ([t_count, cap]: the value, and the key's
-// position j - ks), its count cnt[i] (held alike by all 64 threads of the token) advanced by the block's candidates
+// position j - base), its count cnt[i] (held alike by every thread of the token) advanced by the block's candidates
 // whether or not they fit. The ranks: a ballot within each warp, then the four warps' counts through `totals`
-// (int[2][BT][4] in shared memory, the half `parity` of the block's turn) and one named barrier `bar` of the
-// warpgroup's 128 threads.
+// (shared memory, 8-byte aligned: [2 halves][2 lane groups][4 warps] of 64 bits, a byte a token of the group; the
+// half `parity` is this block's) and one named barrier `bar` of the warpgroup's 128 threads.
 template <int HP>
 __device__ __forceinline__ void dsa_filter_block(const float* acc, const float* w, float scale, const float* g,
                                                  const int* base, int* cnt, float* vals, int* pos, int cap, int t0,
                                                  int t_count, int j0, long long n, const int* tok_lo,
                                                  const int* tok_hi, bool full, int* totals, int parity, int bar) {
   constexpr int BT = 128 / HP, HALF = BT > 1 ? BT / 2 : 1;
+  static_assert(HALF <= 8, "a token's count of a warp is a byte of 64 bits");
   float p[2 * BT];
   const bool owner = dsa_index_reduce<HP>(acc, w, p);
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3, q1 = (lane >> 1) & 1;
-  const int j = j0 + dsa_index_row(), tb = dsa_index_tb<HP>();
+  const int j = j0 + dsa_index_row(), tb = dsa_index_tb<HP>(), grp = BT > 1 ? q1 : 0;
   const unsigned group = 0x33333333u << (2 * q1), before = dsa_filter_before();
-  int* half = totals + parity * BT * 4;
-  bool take[HALF];
+  unsigned long long* half = reinterpret_cast<unsigned long long*>(totals) + parity * 8 + grp * 4;
+  unsigned long long mine = 0;  // this warp's count of each of the group's tokens
+  unsigned takes = 0;           // bit i: this lane appends token tb + i
   int rank[HALF];
 #pragma unroll
   for (int i = 0; i < HALF; ++i) {
     const int t = tb + i;
     const float v = p[i] * scale;
     const bool inside = full || (j < n && j >= tok_lo[t] && j < tok_hi[t]);
-    take[i] = owner && t0 + t < t_count && inside && v >= g[i];
-    const unsigned ballot = __ballot_sync(0xffffffffu, take[i]);
+    const bool take = owner && t0 + t < t_count && inside && v >= g[i];
+    const unsigned ballot = __ballot_sync(0xffffffffu, take);
     rank[i] = __popc(ballot & before);
-    if (BT > 1 ? (lane & ~2) == 0 : lane == 0) half[t * 4 + warp] = __popc(ballot & group);  // a lane a token
+    mine |= (unsigned long long)__popc(ballot & group) << (8 * i);
+    takes |= (unsigned)take << i;
     p[i] = v;
   }
+  if (BT > 1 ? (lane & ~2) == 0 : lane == 0) half[warp] = mine;  // a lane a group
   asm volatile("bar.sync %0, 128;" ::"r"(bar) : "memory");
+  const unsigned long long c0 = half[0], c1 = half[1], c2 = half[2], c3 = half[3];
+  const unsigned long long prefix = (warp > 0 ? c0 : 0) + (warp > 1 ? c1 : 0) + (warp > 2 ? c2 : 0);
+  const unsigned long long total = c0 + c1 + c2 + c3;  // (a byte holds a token's 64 keys)
 #pragma unroll
   for (int i = 0; i < HALF; ++i) {
-    const int t = tb + i;
-    const int c0 = half[t * 4], c1 = half[t * 4 + 1], c2 = half[t * 4 + 2], c3 = half[t * 4 + 3];
-    const int prefix = (warp > 0 ? c0 : 0) + (warp > 1 ? c1 : 0) + (warp > 2 ? c2 : 0);
-    const int at = cnt[i] + prefix + rank[i];
-    if (take[i] && at < cap) {
-      const long long slot = (long long)(t0 + t) * cap + at;
+    const int at = cnt[i] + (int)((prefix >> (8 * i)) & 0xff) + rank[i];
+    if ((takes >> i & 1) && at < cap) {
+      const long long slot = (long long)(t0 + tb + i) * cap + at;
       vals[slot] = p[i];
       pos[slot] = j - base[i];
     }
-    cnt[i] += c0 + c1 + c2 + c3;
+    cnt[i] += (int)((total >> (8 * i)) & 0xff);
   }
 }
 

@@ -403,6 +403,7 @@ def test_filtered_scheme_with_reference_kernels(gen, monkeypatch, heads, capturi
     launches = []
     indexer = reference_kernels(monkeypatch, launches)
     monkeypatch.setattr(indexer, "sm_count", lambda device: 1)
+    monkeypatch.setattr(indexer, "FILTER_MIN_KEYS", 0)
     monkeypatch.setattr(indexer, "FILTER_BYTES", 1)  # chunks of one CTA's tokens
     monkeypatch.setattr(indexer, "INDEX_TOPK_BYTES", 1)  # the composition's: one token
     monkeypatch.setattr(indexer, "_capturing", lambda q: capturing)
@@ -424,6 +425,9 @@ def test_filtered_scheme_with_reference_kernels(gen, monkeypatch, heads, capturi
     assert len(fallback) == (-(-t_count // indexer.index_topk_rows(t_count, n, 1, 1)) if capturing else 2)
 
 
+FP8_CUDA = ("float8_e4m3fn", "cuda")
+
+
 def test_filtered_scheme_plan():
     from sparse_dsa_ops._cuda import indexer
 
@@ -435,9 +439,9 @@ def test_filtered_scheme_plan():
     assert indexer.plan_index_topk(8192, 65536, 8, DIM, "float8_e4m3fn", 2048, 132, "cuda").rows == 32 * 132
     assert indexer.plan_index_topk(4096, 65536, 8, DIM, "float8_e4m3fn", 2048, 132, "cuda").rows == 4096
     assert indexer.plan_index_topk(4096, 65536, 8, DIM, "float8_e4m3fn", 4096, 132, "cuda").cap <= indexer.LIST_MAX
-    for q_dtype, target in (("bfloat16", "cuda"), ("float8_e4m3fn", "hip")):
-        plan = indexer.plan_index_topk(4096, 65536, 8, DIM, q_dtype, 2048, 132, target)
-        assert not plan.filtered and plan.rows == indexer.index_topk_rows(4096, 65536, 132)
+    for keys, q_dtype, target in ((65536, "bfloat16", "cuda"), (65536, "float8_e4m3fn", "hip"), (16384,) + FP8_CUDA):
+        plan = indexer.plan_index_topk(4096, keys, 8, DIM, q_dtype, 2048, 132, target)
+        assert not plan.filtered and plan.rows == indexer.index_topk_rows(4096, keys, 132)
 
 
 # ------------------------------------------------------------------------------------------
@@ -548,11 +552,13 @@ def test_cuda_filter_lists_the_logits_at_or_above_the_guess(warm, gen, heads):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("scheme", ["filtered", "chunks"])
 @pytest.mark.parametrize("budget", ["default", "64-rows", "one-row"])
 @pytest.mark.parametrize("heads", GPU_HEADS, ids=lambda h: f"Hi{h}")
-def test_cuda_index_topk_is_the_cuda_composition(warm, gen, monkeypatch, heads, budget):
+def test_cuda_index_topk_is_the_cuda_composition(warm, gen, monkeypatch, heads, budget, scheme):
     from sparse_dsa_ops._cuda import indexer
 
+    monkeypatch.setattr(indexer, "FILTER_MIN_KEYS", 0 if scheme == "filtered" else 1 << 40)
     t_count, n = 300, 20000
     if budget != "default":  # 64 tokens' logits (fewer a chunk: top-k splits so few rows), or one token
         monkeypatch.setattr(indexer, "INDEX_TOPK_BYTES", 4 * n * 64 if budget == "64-rows" else 1)
@@ -568,8 +574,12 @@ def test_cuda_index_topk_is_the_cuda_composition(warm, gen, monkeypatch, heads, 
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("scheme", ["filtered", "chunks"])
 @pytest.mark.parametrize("heads", GPU_HEADS, ids=lambda h: f"Hi{h}")
-def test_cuda_index_topk_matches_the_reference(warm, gen, heads):
+def test_cuda_index_topk_matches_the_reference(warm, gen, monkeypatch, heads, scheme):
+    from sparse_dsa_ops._cuda import indexer
+
+    monkeypatch.setattr(indexer, "FILTER_MIN_KEYS", 0 if scheme == "filtered" else 1 << 40)
     t_count, n = 200, 9000
     q, k, k_scale, w = exact_inputs(gen, t_count, n, heads)
     ks, ke = causal(t_count, n)
@@ -605,7 +615,11 @@ def test_cuda_index_topk_long_causal_prompt_in_bounded_memory(warm, gen):
 
 
 @pytest.mark.cuda
-def test_cuda_index_topk_in_a_graph(warm, gen):
+@pytest.mark.parametrize("scheme", ["filtered", "chunks"])
+def test_cuda_index_topk_in_a_graph(warm, gen, monkeypatch, scheme):
+    from sparse_dsa_ops._cuda import indexer
+
+    monkeypatch.setattr(indexer, "FILTER_MIN_KEYS", 0 if scheme == "filtered" else 1 << 40)
     t_count, n = 96, 12000
     first = on_cuda(make_inputs(gen, t_count, n, 8)) + on_cuda(causal(t_count, n))
     static = [a.clone() for a in first]
@@ -619,6 +633,7 @@ def test_cuda_index_topk_in_a_graph(warm, gen):
     with torch.cuda.graph(graph):
         out = dsa.index_topk(*static, 64, 128)
     second = on_cuda(make_inputs(gen, t_count, n, 8))
+    second[0][5] = 0  # every logit of token 5 ties: its list overflows, the replayed composition answers it
     for dst, src in zip(static, second):
         dst.copy_(src)
     graph.replay()

@@ -123,6 +123,9 @@ SAMPLE_STEP = 16
 GUESS_SIGMAS = 4.5
 FILTER_ROW_BYTES = 8  # a list entry: the logit and its position
 LIST_MAX = 8192  # entries of a token's list at most: the one-CTA top-k reads a row of them once (its list's size)
+# keys a call has at least for the filtered scheme: below, most tokens' lists are a good part of their rows (a causal
+# prompt of 16K tokens: 3255 us filtered against 2055 in the composition's chunks, H100)
+FILTER_MIN_KEYS = 32768
 
 
 @functools.lru_cache(maxsize=256)
@@ -162,32 +165,32 @@ class IndexTopkPlan:
 
 
 def plan_index_topk(tokens: int, keys: int, heads: int, dim: int, q_dtype: str, k: int, sms: int, target: str):
-    """The :class:`IndexTopkPlan` of a call: filtered where the filter kernel runs (sm_90, FP8 queries) and a token's
-    list fits LIST_MAX entries, its chunks the most tokens whose lists (or sample logits) fit FILTER_BYTES but at
-    least one CTA an SM (at few heads a CTA holds many tokens: 4224 lists of 3904 entries at 8 heads, 129 MB), a
-    multiple of ROW_ALIGN; else the composition's chunks (:func:`index_topk_rows`)."""
+    """The :class:`IndexTopkPlan` of a call: filtered where the filter kernel runs (sm_90, FP8 queries), a token's
+    list fits LIST_MAX entries and the keys are FILTER_MIN_KEYS or more, its chunks the most whole waves of the
+    filter's CTAs (one an SM) whose lists (or sample logits) fit FILTER_BYTES, one wave at least (at few heads a CTA
+    holds many tokens: 4224 lists of 3904 entries at 8 heads, 129 MB); else the composition's chunks
+    (:func:`index_topk_rows`)."""
     rank = math.ceil(k / SAMPLE_STEP + GUESS_SIGMAS * math.sqrt(k / SAMPLE_STEP)) + 1
     expected = rank * SAMPLE_STEP
     cap = -(-(expected + GUESS_SIGMAS * SAMPLE_STEP * math.sqrt(rank) + SAMPLE_STEP) // 64) * 64
     ws = builders.index_logits_key(dim, heads, q_dtype, target).ws
-    if not ws or cap > LIST_MAX:
+    if not ws or cap > LIST_MAX or keys < FILTER_MIN_KEYS:
         return IndexTopkPlan(False, index_topk_rows(tokens, keys, sms, INDEX_TOPK_BYTES))
     row_bytes = max(4 * -(-keys // SAMPLE_STEP), FILTER_ROW_BYTES * int(cap))
-    rows = max(FILTER_BYTES // row_bytes, builders.cta_tokens(heads, ws=True) * sms)
-    rows = tokens if rows >= tokens else max(ROW_ALIGN, rows // ROW_ALIGN * ROW_ALIGN)
-    return IndexTopkPlan(True, rows, SAMPLE_STEP, rank, int(cap))
+    wave = builders.cta_tokens(heads, ws=True) * sms  # (a multiple of ROW_ALIGN)
+    rows = max(1, FILTER_BYTES // row_bytes // wave) * wave
+    return IndexTopkPlan(True, min(rows, tokens), SAMPLE_STEP, rank, int(cap))
 
 
 def index_topk(q, k, k_scale, weights, ks, ke, topk, out_width=None):
     tokens, heads, dim = q.shape
     num_keys = k.shape[0]
-    out = torch.empty(tokens, out_width or topk, dtype=torch.int32, device=q.device)
-    if not tokens:
-        return out
-    if not num_keys:
-        return out.fill_(-1)  # no token has a candidate
+    if not tokens or not num_keys:  # no token has a candidate
+        return torch.full((tokens, out_width or topk), -1, dtype=torch.int32, device=q.device)
     sms = sm_count(q.device)
     plan = plan_index_topk(tokens, num_keys, heads, dim, _Q_DTYPES[q.dtype], topk, sms, target())
+    # (the composition's answers of tokens the filtered scheme does not hand it land in a spare last row)
+    out = torch.empty(tokens + plan.filtered, out_width or topk, dtype=torch.int32, device=q.device)[:tokens]
     lengths = ke - ks  # [T] int32, as the composition computes them
     k, k_scale = aligned(k), aligned(k_scale)
     if not plan.filtered:
@@ -195,52 +198,56 @@ def index_topk(q, k, k_scale, weights, ks, ke, topk, out_width=None):
         return out
     failed = _filtered(out, plan, q, k, k_scale, weights, ks, ke, lengths, topk)
     rows = index_topk_rows(tokens, num_keys, sms, INDEX_TOPK_BYTES)
-    # a graph replays whatever failed, so it holds the chunks of every token; else only of those that failed (a sync)
-    todo = tokens if _capturing(q) else int(failed.sum())
-    if todo:
-        order = torch.argsort(failed.logical_not().to(torch.uint8), stable=True)  # the failed tokens first
-        _composed(out, q, k, k_scale, weights, ks, ke, lengths, topk, rows, order[:todo], failed.sum())
+    chunks = None  # a graph replays whatever failed: it holds every chunk of the composition
+    if not _capturing(q):  # else only the chunks that hold a failed token (a sync)
+        per_chunk = torch.nn.functional.pad(failed, (0, -tokens % rows)).view(-1, rows).any(dim=1)
+        chunks = per_chunk.nonzero().flatten().tolist()
+    if chunks is None or chunks:
+        spare = out.as_strided((tokens + 1, out.shape[1]), out.stride())
+        _composed(spare, q, k, k_scale, weights, ks, ke, lengths, topk, rows, failed, chunks)
     return out
+
+
+def _guess(sampled, starts, lengths, rank: int) -> torch.Tensor:
+    """Each token's guess ``[t]`` float32: the ``rank``-th largest of its sampled logits ``sampled [t, S]`` (those of
+    ``[starts, starts + lengths)``), -inf where it has fewer (all its keys are then listed), NaN where that rank's
+    logit is NaN (its list then holds nothing and the composition answers it)."""
+    picked = torch.empty(sampled.shape[0], rank, dtype=torch.int32, device=sampled.device)
+    select(picked, sampled, lengths, rank, starts)  # [t, rank]: positions from starts, ascending, then -1
+    at = (picked.long() + starts[:, None]).clamp(0, sampled.shape[1] - 1)
+    least = sampled.gather(1, at).amin(dim=1)
+    return torch.where(picked[:, -1] < 0, -math.inf, least)
 
 
 def _capturing(q) -> bool:
     return q.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def _composed(out, q, k, k_scale, weights, ks, ke, lengths, topk, rows, order=None, live=None) -> None:
-    """``topk(index_logits(...))`` into ``out`` in chunks of ``rows`` tokens, of every token, or of the tokens
-    ``order [m]`` (int64) of which the first ``live`` (a 0-d tensor) are written, the rest left as they are."""
+def _composed(out, q, k, k_scale, weights, ks, ke, lengths, topk, rows, redo=None, chunks=None) -> None:
+    """``topk(index_logits(...))`` into ``out`` in chunks of ``rows`` tokens: every token's, or where ``redo [T]``
+    (bool) is given only those tokens' (the others' ranges emptied, their rows written into ``out``'s spare last
+    row); ``chunks``: the indices of the chunks to run, all by default."""
     tokens, heads, dim = q.shape
     sms = sm_count(q.device)
-    count = tokens if order is None else order.shape[0]
-    logits = torch.empty(min(rows, count), k.shape[0], dtype=torch.float32, device=q.device)  # every chunk's
+    logits = torch.empty(min(rows, tokens), k.shape[0], dtype=torch.float32, device=q.device)  # every chunk's
     # (-inf only into columns the top-k reads: a causal prompt's logits past each token are never written)
     key = builders.index_logits_key(dim, heads, _Q_DTYPES[q.dtype], target(), fill_all=False)
     score = kernel(key)
-    for t0 in range(0, count, rows):
-        t1 = min(t0 + rows, count)
+    if redo is not None:
+        ks, ke, lengths = (torch.where(redo, x, 0) for x in (ks, ke, lengths))
+        dest = torch.where(redo, torch.arange(tokens, device=q.device), out.shape[0] - 1)
+        found = torch.empty(min(rows, tokens), out.shape[1], dtype=torch.int32, device=q.device)
+    for c in range(-(-tokens // rows)) if chunks is None else chunks:
+        t0, t1 = c * rows, min(c * rows + rows, tokens)
         chunk = logits[: t1 - t0]  # [t, N], contiguous
         cols = builders.logits_cols(t1 - t0, heads, k.shape[0], sms, key.ws)
-        if order is None:
-            score(
-                aligned(q[t0:t1]),
-                k,
-                k_scale,
-                aligned(weights[t0:t1]),
-                aligned(ks[t0:t1]),
-                aligned(ke[t0:t1]),
-                chunk,
-                cols,
-            )
+        ranges = aligned(ks[t0:t1]), aligned(ke[t0:t1])
+        score(aligned(q[t0:t1]), k, k_scale, aligned(weights[t0:t1]), *ranges, chunk, cols)
+        if redo is None:
             select(out[t0:t1], chunk, lengths[t0:t1], topk, ks[t0:t1])
-            continue
-        idx = order[t0:t1]
-        on = torch.arange(t0, t1, device=q.device) < live  # [t]: a failed token (the rest: empty ranges, -1 rows)
-        starts, stops = torch.where(on, ks[idx], 0), torch.where(on, ke[idx], 0)
-        score(q[idx], k, k_scale, weights[idx], starts, stops, chunk, cols)
-        found = torch.empty(t1 - t0, out.shape[1], dtype=torch.int32, device=q.device)
-        select(found, chunk, stops - starts, topk, starts)
-        out.index_copy_(0, idx, torch.where(on[:, None], found, out[idx]))
+        else:
+            select(found[: t1 - t0], chunk, lengths[t0:t1], topk, ks[t0:t1])
+            out.index_copy_(0, dest[t0:t1], found[: t1 - t0])
 
 
 def _filtered(out, plan: IndexTopkPlan, q, k, k_scale, weights, ks, ke, lengths, topk) -> torch.Tensor:
@@ -258,7 +265,6 @@ def _filtered(out, plan: IndexTopkPlan, q, k, k_scale, weights, ks, ke, lengths,
     sample_k, sample_scale = k[::step].contiguous(), k_scale[::step].contiguous()
     n_sample = sample_k.shape[0]
     sample_key = builders.index_logits_key(dim, heads, _Q_DTYPES[q.dtype], target())
-    pick = min(plan.rank, n_sample)
     flat = torch.empty(plan.rows * max(4 * n_sample, FILTER_ROW_BYTES * cap), dtype=torch.uint8, device=dev)
     count = torch.empty(tokens, dtype=torch.int32, device=dev)
     sms = sm_count(dev)
@@ -270,9 +276,7 @@ def _filtered(out, plan: IndexTopkPlan, q, k, k_scale, weights, ks, ke, lengths,
         cols = builders.logits_cols(r, heads, n_sample, sms, sample_key.ws)
         s_lo, s_hi = (lo_c + step - 1) // step, (hi_c + step - 1) // step
         kernel(sample_key)(qc, sample_k, sample_scale, wc, s_lo, s_hi, sampled, cols)
-        guess = torch.topk(sampled, pick, dim=1).values[:, -1].contiguous()  # -inf where fewer sampled
-        if pick < plan.rank:
-            guess.fill_(-math.inf)  # every token has fewer sampled keys than the rank: all its keys are listed
+        guess = _guess(sampled, s_lo, s_hi - s_lo, plan.rank)
         lists = flat[: FILTER_ROW_BYTES * r * cap]
         vals = lists[: 4 * r * cap].view(torch.float32).view(r, cap)
         pos = lists[4 * r * cap :].view(torch.int32).view(r, cap)
@@ -293,6 +297,7 @@ def index_topk_keys(heads: int, dim: int, q_dtype: str, tokens: int, keys: int, 
     if plan.filtered:
         found += [builders.index_logits_key(dim, heads, q_dtype, target()), builders.IndexFilterKey(dim, heads)]
         found += plan_topk(plan.rows, plan.cap, sms).keys(k, 1, False, False)
+        found += TopkPlan(1, 0).keys(plan.rank, 0, True, False) + TopkPlan(2, 0).keys(plan.rank, 0, True, False)
     return list(dict.fromkeys(found))
 
 
