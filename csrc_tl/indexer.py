@@ -619,7 +619,8 @@ def build_index_logits(key: IndexLogitsKey):
     - ``weights`` : ``[T, Hi]`` float32
     - ``ks``, ``ke`` : ``[T]`` int32, any values
     - ``logits`` : ``[T, N]`` float32, written whole: ``k_scale[j] * sum_h weights[t, h] * relu(q[t, h] . k[j])``
-      for ``max(ks[t], 0) <= j < min(ke[t], N)``, -inf elsewhere
+      for ``max(ks[t], 0) <= j < min(ke[t], N)``, -inf elsewhere (without ``fill_all``: -inf only inside the key
+      blocks the CTA scores and where ``topk(logits, ke - ks, starts=ks)`` reads past that range)
     - ``cols`` : int, the key columns of a CTA: a positive multiple of 64 (:func:`logits_cols`), any value
       giving the same logits
 
@@ -686,7 +687,7 @@ def _build_logits_ws(key: IndexLogitsKey):
     return index_logits
 
 
-def _build_filter_ws(key: "IndexFilterKey"):
+def _build_filter_ws(key: IndexFilterKey):
     """``index_topk``'s filter (sm_90): the CTA of :func:`_build_logits_ws` over every key of its tokens (grid: the
     token blocks alone), whose consumers append each token's logits at or above its guess to the token's list in key
     order (``dsa_filter_block``) instead of storing them; the producer writes nothing."""
@@ -907,7 +908,7 @@ def _logits_epilogue(key: IndexLogitsKey, t_count) -> SimpleNamespace:
     return SimpleNamespace(begin=nothing, block=block, end=nothing)
 
 
-def _filter_epilogue(key: "IndexFilterKey", t_count) -> SimpleNamespace:
+def _filter_epilogue(key: IndexFilterKey, t_count) -> SimpleNamespace:
     """The filter's epilogue: the tokens' guesses and position bases loaded (``dsa_filter_init``), each key block's
     candidates appended (``dsa_filter_block``, the warpgroup's named barrier FILTER_BARRIER + g), the counts
     stored (``dsa_filter_counts``)."""

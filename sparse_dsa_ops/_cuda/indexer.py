@@ -168,7 +168,7 @@ def plan_index_topk(tokens: int, keys: int, heads: int, dim: int, q_dtype: str, 
     """The :class:`IndexTopkPlan` of a call: filtered where the filter kernel runs (sm_90, FP8 queries), a token's
     list fits LIST_MAX entries and the keys are FILTER_MIN_KEYS or more, its chunks the most whole waves of the
     filter's CTAs (one an SM) whose lists (or sample logits) fit FILTER_BYTES, one wave at least (at few heads a CTA
-    holds many tokens: 4224 lists of 3904 entries at 8 heads, 129 MB); else the composition's chunks
+    holds many tokens: 4224 lists of 3904 entries at 8 heads, 126 MB); else the composition's chunks
     (:func:`index_topk_rows`)."""
     rank = math.ceil(k / SAMPLE_STEP + GUESS_SIGMAS * math.sqrt(k / SAMPLE_STEP)) + 1
     expected = rank * SAMPLE_STEP
