@@ -428,6 +428,24 @@ def test_filtered_scheme_with_reference_kernels(gen, monkeypatch, heads, capturi
 FP8_CUDA = ("float8_e4m3fn", "cuda")
 
 
+def test_warmup_compiles_the_filtered_scheme(monkeypatch):
+    # a warmed-up process captures index_topk's filtered scheme: the filter, the guesses' top-k and the lists' top-k
+    from csrc_tl.selection import TopkKey
+    from sparse_dsa_ops._cuda import indexer, selection
+    from sparse_dsa_ops.ops.core import WarmupSpec
+
+    monkeypatch.setattr(indexer, "target", lambda: "cuda")
+    spec = WarmupSpec(heads=128, d_nope=512, d_rope=64, sm_scale=0.1, index_heads=64, topk_k=2048)
+    keys = indexer.warmup_keys_of(spec) + selection.warmup_keys_of(spec)  # (the composition's top-k: selection's)
+    assert indexer.builders.IndexFilterKey(DIM, 64) in keys
+    assert TopkKey(180, has_starts=True) in keys and TopkKey(2048, page_size=1) in keys
+    plan = indexer.plan_index_topk(4096, 65536, 64, DIM, "float8_e4m3fn", 2048, 132, "cuda")
+    assert set(indexer.index_topk_keys(64, DIM, "float8_e4m3fn", 4096, 65536, 2048, 132)) <= set(keys)
+    assert plan.filtered and plan.rank == 180
+    monkeypatch.setattr(indexer, "target", lambda: "hip")
+    assert not any(isinstance(key, indexer.builders.IndexFilterKey) for key in indexer.warmup_keys_of(spec))
+
+
 def test_filtered_scheme_plan():
     from sparse_dsa_ops._cuda import indexer
 

@@ -18,7 +18,7 @@ from csrc_tl import indexer as builders
 from ..ops import takes_checked
 from .common import aligned, slot_dtype
 from .compile import kernel, register_builder, sm_count, target
-from .selection import TopkPlan, plan_topk, scratch_bytes, select
+from .selection import DEFAULT_SMS, TopkPlan, scratch_bytes, select
 
 __all__ = [
     "bench_cases",
@@ -295,9 +295,7 @@ def index_topk_keys(heads: int, dim: int, q_dtype: str, tokens: int, keys: int, 
     found = [builders.index_logits_key(dim, heads, q_dtype, target(), fill_all=False)]
     found += TopkPlan(1, 0).keys(k, 0, True, False) + TopkPlan(2, 0).keys(k, 0, True, False)
     if plan.filtered:
-        found += [builders.index_logits_key(dim, heads, q_dtype, target()), builders.IndexFilterKey(dim, heads)]
-        found += plan_topk(plan.rows, plan.cap, sms).keys(k, 1, False, False)
-        found += TopkPlan(1, 0).keys(plan.rank, 0, True, False) + TopkPlan(2, 0).keys(plan.rank, 0, True, False)
+        found += [builders.index_logits_key(dim, heads, q_dtype, target())] + filtered_keys(heads, dim, k)
     return list(dict.fromkeys(found))
 
 
@@ -502,4 +500,22 @@ def warmup_keys_of(spec) -> list:
     ``index_heads``."""
     if not spec.index_heads:
         return []
-    return warmup_keys(spec.index_heads, spec.index_dim, spec.index_page, spec.round_scale, spec.slot_dtypes)
+    keys = warmup_keys(spec.index_heads, spec.index_dim, spec.index_page, spec.round_scale, spec.slot_dtypes)
+    return keys + (filtered_keys(spec.index_heads, spec.index_dim, spec.topk_k) if spec.topk_k else [])
+
+
+def filtered_keys(heads, dim: int, k: int) -> list:
+    """The kernels ``index_topk``'s filtered scheme adds for ``heads`` (an int or several) at head dim ``dim`` and
+    selection size ``k`` where the scheme runs here: the filter, the guesses' top-k (both schemes) and the top-k of
+    the lists."""
+    plan = plan_index_topk(1, FILTER_MIN_KEYS, 8, dim, "float8_e4m3fn", k, DEFAULT_SMS, target())
+    heads = (heads,) if isinstance(heads, int) else tuple(heads)
+    found = [
+        builders.IndexFilterKey(dim, h)
+        for h in heads
+        if builders.index_logits_key(dim, h, "float8_e4m3fn", target()).ws
+    ]
+    if not found or not plan.filtered:
+        return []
+    found += TopkPlan(1, 0).keys(plan.rank, 0, True, False) + TopkPlan(2, 0).keys(plan.rank, 0, True, False)
+    return found + TopkPlan(1, 0).keys(k, 1, False, False)
