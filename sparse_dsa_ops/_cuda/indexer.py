@@ -18,7 +18,7 @@ from csrc_tl import indexer as builders
 from ..ops import takes_checked
 from .common import aligned, slot_dtype
 from .compile import kernel, register_builder, sm_count, target
-from .selection import DEFAULT_SMS, TopkPlan, scratch_bytes, select
+from .selection import DEFAULT_SMS, TopkPlan, plan_topk, scratch_bytes, select
 
 __all__ = [
     "bench_cases",
@@ -289,11 +289,15 @@ def _filtered(out, plan: IndexTopkPlan, q, k, k_scale, weights, ks, ke, lengths,
 
 def index_topk_keys(heads: int, dim: int, q_dtype: str, tokens: int, keys: int, k: int, sms: int) -> list:
     """The kernels ``index_topk`` runs for ``tokens`` queries of ``heads`` x ``dim`` against ``keys`` keys on a GPU
-    of ``sms`` SMs: the composition's logits kernel and both top-k schemes (its chunks, or the tokens the filtered
-    scheme hands it), and where filtered the sample's logits kernel, the filter and the lists' top-k."""
+    of ``sms`` SMs: the composition's logits kernel and top-k plans of its chunks (a whole chunk and the last: the
+    same chunks where the filtered scheme hands them its failed tokens), and where filtered the sample's logits
+    kernel, the filter and the guesses' and the lists' top-k."""
     plan = plan_index_topk(tokens, keys, heads, dim, q_dtype, k, sms, target())
+    rows = index_topk_rows(tokens, keys, sms, INDEX_TOPK_BYTES)
+    last = tokens - (-(-tokens // rows) - 1) * rows
     found = [builders.index_logits_key(dim, heads, q_dtype, target(), fill_all=False)]
-    found += TopkPlan(1, 0).keys(k, 0, True, False) + TopkPlan(2, 0).keys(k, 0, True, False)
+    for r in (rows, last):
+        found += plan_topk(r, keys, sms).keys(k, 0, True, False)
     if plan.filtered:
         found += [builders.index_logits_key(dim, heads, q_dtype, target())] + filtered_keys(heads, dim, k)
     return list(dict.fromkeys(found))
@@ -407,7 +411,11 @@ def _index_topk_case(heads: int, tokens: int, keys: int, causal: bool, fused: bo
         return torch.ops.dsa.topk(torch.ops.dsa.index_logits(q, k, k_scale, w, ks, ke), ke - ks, topk, ks)
 
     sms = sm_count(torch.device("cuda")) if torch.cuda.is_available() else 132
-    kernels = index_topk_keys(heads, DIM, "float8_e4m3fn", tokens, keys, INDEX_TOPK_K, sms)
+    if fused:
+        kernels = index_topk_keys(heads, DIM, "float8_e4m3fn", tokens, keys, INDEX_TOPK_K, sms)
+    else:
+        kernels = [builders.index_logits_key(DIM, heads, "float8_e4m3fn", "cuda")]
+        kernels += plan_topk(tokens, keys, sms).keys(INDEX_TOPK_K, 0, True, False)
     plan = plan_index_topk(tokens, keys, heads, DIM, "float8_e4m3fn", INDEX_TOPK_K, sms, "cuda")
     if not fused:
         path = f"{builders.index_logits_key(DIM, heads, 'float8_e4m3fn', 'cuda').name} + top-k (one call)"
