@@ -1,5 +1,7 @@
 """TileLang kernels of the lightning indexer: FP8 quantization of index keys (plain, or scattered into the paged
-index-K cache), the gather of cached keys, and the two logits kernels (ragged prefill and paged decode).
+index-K cache), the gather of cached keys, the two logits kernels (ragged prefill and paged decode), and
+``index_topk``'s filter (the prefill's CTA over every key of its tokens, listing each token's logits at or above a
+guess in key order instead of storing them: :func:`build_index_filter`).
 
 Letters: N keys (rows to quantize or store, or keys of the prefill), M gathered slots, T query tokens, R query rows
 of a paged batch, B requests, P pages, ``page`` tokens per page, W = max_pages * page, D the head dim (a multiple

@@ -118,7 +118,7 @@ ROW_ALIGN = 4  # tokens: chunks of a multiple keep each chunk's slices of ks, ke
 # The filtered scheme (:func:`plan_index_topk`): every SAMPLE_STEP-th key's logits guess each token's threshold, the
 # RANK-th largest of them where RANK * SAMPLE_STEP keys are expected at or above it, GUESS_SIGMAS standard deviations
 # of that count above k; a token's list holds as many more again.
-FILTER_BYTES = 48 << 20  # a chunk's lists (or sample logits): with the call's vectors and torch.topk's, within 64 MB
+FILTER_BYTES = 48 << 20  # a chunk's lists (or sample logits): with the call's vectors and the guesses', within 64 MB
 SAMPLE_STEP = 16
 GUESS_SIGMAS = 4.5
 FILTER_ROW_BYTES = 8  # a list entry: the logit and its position
@@ -330,9 +330,10 @@ def source_keys(op: str, args) -> list:
     """The kernel of ``op`` for the command line's ``args`` (``heads`` indexer heads, ``index_dim``, ``page``,
     ``q``, ``round_scale``, ``slot_dtype``, ``target``; ``k`` for ``index_topk``)."""
     dim, page, q_dtype = args.index_dim, args.page, "float8_e4m3fn" if args.q == "fp8" else "bfloat16"
-    if op == "index_topk":  # the logits kernel, then top-k's two schemes with starts
+    if op == "index_topk":  # the chunks' logits kernel and top-k's two schemes with starts, then the filtered scheme's
         schemes = TopkPlan(1, 0).keys(args.k, 0, True, False) + TopkPlan(2, 0).keys(args.k, 0, True, False)
-        return [builders.index_logits_key(dim, args.heads, q_dtype, args.target, fill_all=False), *schemes]
+        chunks = [builders.index_logits_key(dim, args.heads, q_dtype, args.target, fill_all=False), *schemes]
+        return chunks + (filtered_keys(args.heads, dim, args.k, args.target) if q_dtype == "float8_e4m3fn" else [])
     return [
         {
             "quant_index": lambda: builders.QuantIndexKey(dim, 0, args.round_scale),
@@ -512,17 +513,15 @@ def warmup_keys_of(spec) -> list:
     return keys + (filtered_keys(spec.index_heads, spec.index_dim, spec.topk_k) if spec.topk_k else [])
 
 
-def filtered_keys(heads, dim: int, k: int) -> list:
+def filtered_keys(heads, dim: int, k: int, kind: str | None = None) -> list:
     """The kernels ``index_topk``'s filtered scheme adds for ``heads`` (an int or several) at head dim ``dim`` and
-    selection size ``k`` where the scheme runs here: the filter, the guesses' top-k (both schemes) and the top-k of
-    the lists."""
-    plan = plan_index_topk(1, FILTER_MIN_KEYS, 8, dim, "float8_e4m3fn", k, DEFAULT_SMS, target())
+    selection size ``k`` where the scheme runs on target ``kind`` (this process's by default): the filter, the
+    guesses' top-k (both schemes) and the top-k of the lists."""
+    kind = kind or target()
+    plan = plan_index_topk(1, FILTER_MIN_KEYS, 8, dim, "float8_e4m3fn", k, DEFAULT_SMS, kind)
     heads = (heads,) if isinstance(heads, int) else tuple(heads)
-    found = [
-        builders.IndexFilterKey(dim, h)
-        for h in heads
-        if builders.index_logits_key(dim, h, "float8_e4m3fn", target()).ws
-    ]
+    fp8 = "float8_e4m3fn"
+    found = [builders.IndexFilterKey(dim, h) for h in heads if builders.index_logits_key(dim, h, fp8, kind).ws]
     if not found or not plan.filtered:
         return []
     found += TopkPlan(1, 0).keys(plan.rank, 0, True, False) + TopkPlan(2, 0).keys(plan.rank, 0, True, False)
