@@ -95,7 +95,8 @@ WS_STAGES = 6  # shared key stages of the prefill (both consumer warpgroups read
 # Heads of the warp-specialized prefill's query block at least (fewer are padded with zero weights): from 8 a column
 # group of the accumulator lies in one token, which the epilogue's reduce-scatter over a key row's four lanes needs.
 WS_MIN_HP = 8
-# The warp-specialized prefill's epilogue (dsa_index_weights, dsa_index_block), injected into its kernel's prelude.
+# The warp-specialized prefill's epilogues (dsa_index_weights, dsa_index_block; the filter's dsa_filter_*), injected
+# into their kernels' prelude.
 WS_EPILOGUE = Path(__file__).with_name("indexer_epilogue.cuh").read_text()
 WS_NREG = (216, 72)  # setmaxnreg budgets of the prefill: consumer warpgroups, producer warpgroup (3 x 168 at launch)
 FILTER_BARRIER = 12  # the named barriers of the filter's consumer warpgroups: 12 and 13 (TileLang takes the first)

@@ -1,5 +1,5 @@
-// The epilogue of the warp-specialized prefill logits (csrc_tl/indexer.py), injected verbatim into its kernel's
-// prelude. A consumer warpgroup holds the score tile acc [64 keys, 128 columns] of one key block in wgmma's accumulator
+// The epilogues of the warp-specialized prefill logits and of index_topk's filter (csrc_tl/indexer.py), injected
+// verbatim into their kernels' prelude. A consumer warpgroup holds the score tile acc [64 keys, 128 columns] of one key block in wgmma's accumulator
 // layout: a thread's value 4 * b + 2 * r + c is key row 16 * warp + lane / 4 + 8 * r and column 8 * b + 2 * (lane % 4)
 // + c, a column being token * HP + head (HP >= 8: a column group b lies in one token, and the four lanes of a key row
 // hold all heads of its tokens). A thread's weights w[2 * b + c] are those of the same columns.
