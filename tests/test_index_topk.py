@@ -407,6 +407,7 @@ def test_filtered_scheme_with_reference_kernels(gen, monkeypatch, heads, capturi
     monkeypatch.setattr(indexer, "FILTER_BYTES", 1)  # chunks of one CTA's tokens
     monkeypatch.setattr(indexer, "INDEX_TOPK_BYTES", 1)  # the composition's: one token
     monkeypatch.setattr(indexer, "_capturing", lambda q: capturing)
+    monkeypatch.setattr(indexer, "_sample_rows", lambda flat_bytes, n_sample: 4)  # a chunk's samples in parts
     t_count, n, topk = 70, 3000, 24
     q, k, k_scale, w = make_inputs(gen, t_count, n, heads)
     q[5] = 0  # every logit 0: more equal logits than a list holds
@@ -457,6 +458,15 @@ def test_filtered_scheme_plan():
     assert indexer.plan_index_topk(8192, 65536, 8, DIM, "float8_e4m3fn", 2048, 132, "cuda").rows == 32 * 132
     assert indexer.plan_index_topk(4096, 65536, 8, DIM, "float8_e4m3fn", 2048, 132, "cuda").rows == 4096
     assert indexer.plan_index_topk(4096, 65536, 8, DIM, "float8_e4m3fn", 4096, 132, "cuda").cap <= indexer.LIST_MAX
+    # past 128K keys the step doubles (a token samples at most 8192 keys); lists of a wave within 128 MB, or chunks
+    for keys, step in ((1 << 17, 16), (1 << 18, 32), (1 << 20, 128)):
+        for heads in (8, 64):
+            plan = indexer.plan_index_topk(131072, keys, heads, DIM, "float8_e4m3fn", 2048, 132, "cuda")
+            assert plan.filtered == (heads == 64 or keys == 1 << 17)
+            if plan.filtered:
+                assert plan.step == step and -(-keys // step) <= indexer.SAMPLE_MAX
+                assert plan.cap <= indexer.LIST_MAX and plan.rank * step > 2048
+                assert plan.rows * 8 * plan.cap <= indexer.FILTER_WAVE_BYTES and plan.rows % indexer.ROW_ALIGN == 0
     for keys, q_dtype, target in ((65536, "bfloat16", "cuda"), (65536, "float8_e4m3fn", "hip"), (16384,) + FP8_CUDA):
         plan = indexer.plan_index_topk(4096, keys, 8, DIM, q_dtype, 2048, 132, target)
         assert not plan.filtered and plan.rows == indexer.index_topk_rows(4096, keys, 132)

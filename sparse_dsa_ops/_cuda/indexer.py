@@ -115,11 +115,13 @@ def paged_index_logits(layout, q, cache, weights, lengths, page_table):
 # call holds at most 64 MB beyond its inputs and output with the lengths and the odd alignment copy.
 INDEX_TOPK_BYTES = 56 << 20
 ROW_ALIGN = 4  # tokens: chunks of a multiple keep each chunk's slices of ks, ke and weights 16-byte aligned
-# The filtered scheme (:func:`plan_index_topk`): every SAMPLE_STEP-th key's logits guess each token's threshold, the
-# RANK-th largest of them where RANK * SAMPLE_STEP keys are expected at or above it, GUESS_SIGMAS standard deviations
-# of that count above k; a token's list holds as many more again.
+# The filtered scheme (:func:`plan_index_topk`): every step-th key's logits guess each token's threshold, the
+# rank-th largest of them where rank * step keys are expected at or above it, GUESS_SIGMAS standard deviations of
+# that count above k; a token's list holds as many more again.
 FILTER_BYTES = 48 << 20  # a chunk's lists (or sample logits): with the call's vectors and the guesses', within 64 MB
-SAMPLE_STEP = 16
+FILTER_WAVE_BYTES = 128 << 20  # ... or one wave of the filter's CTAs where that holds more, up to this
+SAMPLE_STEP = 16  # at least; doubled until a token samples at most SAMPLE_MAX keys
+SAMPLE_MAX = 8192
 GUESS_SIGMAS = 4.5
 FILTER_ROW_BYTES = 8  # a list entry: the logit and its position
 LIST_MAX = 8192  # entries of a token's list at most: the one-CTA top-k reads a row of them once (its list's size)
@@ -167,19 +169,24 @@ class IndexTopkPlan:
 def plan_index_topk(tokens: int, keys: int, heads: int, dim: int, q_dtype: str, k: int, sms: int, target: str):
     """The :class:`IndexTopkPlan` of a call: filtered where the filter kernel runs (sm_90, FP8 queries), a token's
     list fits LIST_MAX entries and the keys are FILTER_MIN_KEYS or more, its chunks the most whole waves of the
-    filter's CTAs (one an SM) whose lists (or sample logits) fit FILTER_BYTES, one wave at least (at few heads a CTA
-    holds many tokens: 4224 lists of 3904 entries at 8 heads, 126 MB); else the composition's chunks
-    (:func:`index_topk_rows`)."""
-    rank = math.ceil(k / SAMPLE_STEP + GUESS_SIGMAS * math.sqrt(k / SAMPLE_STEP)) + 1
-    expected = rank * SAMPLE_STEP
-    cap = -(-(expected + GUESS_SIGMAS * SAMPLE_STEP * math.sqrt(rank) + SAMPLE_STEP) // 64) * 64
+    filter's CTAs (one an SM) whose lists fit FILTER_BYTES, one wave at least, which must fit FILTER_WAVE_BYTES (at
+    few heads a CTA holds many tokens: 4224 lists of 3904 entries at 8 heads, 126 MB); else the composition's chunks
+    (:func:`index_topk_rows`). The sample step grows with the keys (a token samples at most SAMPLE_MAX of them), the
+    guess's rank and the lists with the step; the sampled logits take the lists' memory, a part of a chunk at a
+    time."""
+    step = SAMPLE_STEP
+    while -(-keys // step) > SAMPLE_MAX:
+        step *= 2
+    rank = math.ceil(k / step + GUESS_SIGMAS * math.sqrt(k / step)) + 1
+    cap = -(-(rank * step + GUESS_SIGMAS * step * math.sqrt(rank) + step) // 64) * 64
     ws = builders.index_logits_key(dim, heads, q_dtype, target).ws
-    if not ws or cap > LIST_MAX or keys < FILTER_MIN_KEYS:
-        return IndexTopkPlan(False, index_topk_rows(tokens, keys, sms, INDEX_TOPK_BYTES))
-    row_bytes = max(4 * -(-keys // SAMPLE_STEP), FILTER_ROW_BYTES * int(cap))
     wave = builders.cta_tokens(heads, ws=True) * sms  # (a multiple of ROW_ALIGN)
+    row_bytes = FILTER_ROW_BYTES * int(cap)
+    fits = min(wave, tokens) * row_bytes <= max(FILTER_BYTES, FILTER_WAVE_BYTES)
+    if not ws or cap > LIST_MAX or keys < FILTER_MIN_KEYS or not fits:
+        return IndexTopkPlan(False, index_topk_rows(tokens, keys, sms, INDEX_TOPK_BYTES))
     rows = max(1, FILTER_BYTES // row_bytes // wave) * wave
-    return IndexTopkPlan(True, min(rows, tokens), SAMPLE_STEP, rank, int(cap))
+    return IndexTopkPlan(True, min(rows, tokens), step, rank, int(cap))
 
 
 def index_topk(q, k, k_scale, weights, ks, ke, topk, out_width=None):
@@ -206,6 +213,11 @@ def index_topk(q, k, k_scale, weights, ks, ke, topk, out_width=None):
         spare = out.as_strided((tokens + 1, out.shape[1]), out.stride())
         _composed(spare, q, k, k_scale, weights, ks, ke, lengths, topk, rows, failed, chunks)
     return out
+
+
+def _sample_rows(flat_bytes: int, n_sample: int) -> int:
+    """The tokens whose sampled logits (``n_sample`` a token) the ``flat_bytes`` of a chunk's lists hold at once."""
+    return flat_bytes // (4 * n_sample) // ROW_ALIGN * ROW_ALIGN or 1
 
 
 def _guess(sampled, starts, lengths, rank: int) -> torch.Tensor:
@@ -265,23 +277,30 @@ def _filtered(out, plan: IndexTopkPlan, q, k, k_scale, weights, ks, ke, lengths,
     sample_k, sample_scale = k[::step].contiguous(), k_scale[::step].contiguous()
     n_sample = sample_k.shape[0]
     sample_key = builders.index_logits_key(dim, heads, _Q_DTYPES[q.dtype], target())
-    flat = torch.empty(plan.rows * max(4 * n_sample, FILTER_ROW_BYTES * cap), dtype=torch.uint8, device=dev)
+    flat = torch.empty(max(plan.rows * FILTER_ROW_BYTES * cap, 4 * n_sample), dtype=torch.uint8, device=dev)
+    sample_rows = _sample_rows(flat.numel(), n_sample)
     count = torch.empty(tokens, dtype=torch.int32, device=dev)
+    guess = torch.empty(tokens, dtype=torch.float32, device=dev)
+    s_lo, s_hi = (lo + step - 1) // step, (hi + step - 1) // step  # each token's sampled keys
     sms = sm_count(dev)
     for t0 in range(0, tokens, plan.rows):
         t1 = min(t0 + plan.rows, tokens)
         r = t1 - t0
         qc, wc, lo_c, hi_c = aligned(q[t0:t1]), aligned(weights[t0:t1]), lo[t0:t1], hi[t0:t1]
-        sampled = flat[: 4 * r * n_sample].view(torch.float32).view(r, n_sample)
-        cols = builders.logits_cols(r, heads, n_sample, sms, sample_key.ws)
-        s_lo, s_hi = (lo_c + step - 1) // step, (hi_c + step - 1) // step
-        kernel(sample_key)(qc, sample_k, sample_scale, wc, s_lo, s_hi, sampled, cols)
-        guess = _guess(sampled, s_lo, s_hi - s_lo, plan.rank)
+        for u0 in range(t0, t1, sample_rows):
+            u1 = min(u0 + sample_rows, t1)
+            sampled = flat[: 4 * (u1 - u0) * n_sample].view(torch.float32).view(u1 - u0, n_sample)
+            cols = builders.logits_cols(u1 - u0, heads, n_sample, sms, sample_key.ws)
+            starts, stops = s_lo[u0:u1], s_hi[u0:u1]
+            kernel(sample_key)(
+                aligned(q[u0:u1]), sample_k, sample_scale, aligned(weights[u0:u1]), starts, stops, sampled, cols
+            )
+            guess[u0:u1] = _guess(sampled, starts, stops - starts, plan.rank)
         lists = flat[: FILTER_ROW_BYTES * r * cap]
         vals = lists[: 4 * r * cap].view(torch.float32).view(r, cap)
         pos = lists[4 * r * cap :].view(torch.int32).view(r, cap)
         kernel(builders.IndexFilterKey(dim, heads))(
-            qc, k, k_scale, wc, lo_c, hi_c, aligned(ks[t0:t1]), guess, vals, pos, count[t0:t1]
+            qc, k, k_scale, wc, lo_c, hi_c, aligned(ks[t0:t1]), guess[t0:t1], vals, pos, count[t0:t1]
         )
         select(out[t0:t1], vals, count[t0:t1].clamp(max=cap), topk, page_table=pos, page=1)
     return (count > cap) | ((count < topk) & (count < hi - lo)) | wrapped
