@@ -422,6 +422,7 @@ class IndexFilterKey:
 
     dim: int
     heads: int
+    ws = True  # (the warp-specialized sm_90 kernels': no portable form)
 
     @property
     def name(self) -> str:

@@ -55,6 +55,7 @@ def build(key):
         ix.GatherIndexKey: ix.build_gather_index_k,
         ix.IndexLogitsKey: ix.build_index_logits,
         ix.PagedLogitsKey: ix.build_paged_index_logits,
+        ix.IndexFilterKey: ix.build_index_filter,
     }[type(key)](key)
 
 
@@ -265,6 +266,7 @@ SWEEP_KEYS = (
         if d == D or h in (8, 64)
     ]
     + [ix.IndexLogitsKey(D, h, "float8_e4m3fn", ws, fill_all=False) for h, ws in ((8, True), (64, False))]
+    + [ix.IndexFilterKey(D, h) for h in (1, 8, 64, 128)]  # index_topk's filter
     + [
         ix.PagedLogitsKey(D, h, p, q, ws)
         for h in PAGED_HEADS
@@ -293,6 +295,17 @@ def test_every_key_lowers(key, target):
     assert "__global__" in src
     if isinstance(key, (ix.IndexLogitsKey, ix.PagedLogitsKey)) and target == "cuda":
         assert ("kFloat8_e4m3, tl::DataType::kFloat8_e4m3" in src) == (key.q_dtype == "float8_e4m3fn")
+
+
+@pytest.mark.parametrize("heads, hp", [(8, 8), (64, 64)])
+def test_filter_lists_instead_of_storing(heads, hp):
+    # index_topk's filter: the logits kernel's CTA over every key (a grid of token blocks), its consumers' filter
+    # epilogue behind their own named barriers (12, 13), no logits stored and no -inf filled
+    src = body(lowered(ix.IndexFilterKey(D, heads), "cuda"))
+    assert src.count(f"dsa_filter_block<{hp}>(") == 2 and src.count(f"dsa_filter_counts<{hp}>(") == 2
+    assert ", 12);" in src and ", 13);" in src
+    assert "dsa_index_block<" not in src and "CUDART_INF_F" not in src
+    assert "blockIdx.y" not in src
 
 
 @pytest.mark.lowering
