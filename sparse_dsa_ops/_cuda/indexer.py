@@ -177,8 +177,7 @@ def plan_index_topk(tokens: int, keys: int, heads: int, dim: int, q_dtype: str, 
     step = SAMPLE_STEP
     while -(-keys // step) > SAMPLE_MAX:
         step *= 2
-    rank = math.ceil(k / step + GUESS_SIGMAS * math.sqrt(k / step)) + 1
-    cap = -(-(rank * step + GUESS_SIGMAS * step * math.sqrt(rank) + step) // 64) * 64
+    rank, cap = _guess_rank(k, step)
     ws = builders.index_logits_key(dim, heads, q_dtype, target).ws
     wave = builders.cta_tokens(heads, ws=True) * sms  # (a multiple of ROW_ALIGN)
     row_bytes = FILTER_ROW_BYTES * int(cap)
@@ -186,7 +185,14 @@ def plan_index_topk(tokens: int, keys: int, heads: int, dim: int, q_dtype: str, 
     if not ws or cap > LIST_MAX or keys < FILTER_MIN_KEYS or not fits:
         return IndexTopkPlan(False, index_topk_rows(tokens, keys, sms, INDEX_TOPK_BYTES))
     rows = max(1, FILTER_BYTES // row_bytes // wave) * wave
-    return IndexTopkPlan(True, min(rows, tokens), step, rank, int(cap))
+    return IndexTopkPlan(True, min(rows, tokens), step, rank, cap)
+
+
+def _guess_rank(k: int, step: int) -> tuple[int, int]:
+    """The guess's rank among a token's sampled logits (every ``step``-th key) for a selection of ``k``, and the
+    entries of its list (a multiple of 64)."""
+    rank = math.ceil(k / step + GUESS_SIGMAS * math.sqrt(k / step)) + 1
+    return rank, int(-(-(rank * step + GUESS_SIGMAS * step * math.sqrt(rank) + step) // 64) * 64)
 
 
 def index_topk(q, k, k_scale, weights, ks, ke, topk, out_width=None):
@@ -535,7 +541,8 @@ def warmup_keys_of(spec) -> list:
 def filtered_keys(heads, dim: int, k: int, kind: str | None = None) -> list:
     """The kernels ``index_topk``'s filtered scheme adds for ``heads`` (an int or several) at head dim ``dim`` and
     selection size ``k`` where the scheme runs on target ``kind`` (this process's by default): the filter, the
-    guesses' top-k (both schemes) and the top-k of the lists."""
+    guesses' top-k (both schemes) at the rank of every sample step whose lists fit LIST_MAX (the step grows with the
+    keys), and the top-k of the lists."""
     kind = kind or target()
     plan = plan_index_topk(1, FILTER_MIN_KEYS, 8, dim, "float8_e4m3fn", k, DEFAULT_SMS, kind)
     heads = (heads,) if isinstance(heads, int) else tuple(heads)
@@ -543,5 +550,10 @@ def filtered_keys(heads, dim: int, k: int, kind: str | None = None) -> list:
     found = [builders.IndexFilterKey(dim, h) for h in heads if builders.index_logits_key(dim, h, fp8, kind).ws]
     if not found or not plan.filtered:
         return []
-    found += TopkPlan(1, 0).keys(plan.rank, 0, True, False) + TopkPlan(2, 0).keys(plan.rank, 0, True, False)
+    step, ranks = SAMPLE_STEP, []
+    while _guess_rank(k, step)[1] <= LIST_MAX:
+        ranks.append(_guess_rank(k, step)[0])
+        step *= 2
+    for rank in dict.fromkeys(ranks):
+        found += TopkPlan(1, 0).keys(rank, 0, True, False) + TopkPlan(2, 0).keys(rank, 0, True, False)
     return found + TopkPlan(1, 0).keys(k, 1, False, False)
