@@ -173,6 +173,12 @@ def _named_by_path(case: dict) -> bool:
     if len(keys) > 1 and isinstance(keys[-1], kpool.KpoolExpandKey):  # the pool selection: top-k + the expansion
         head, _, expansion = path.rpartition(" + ")
         return expansion == keys[-1].name and _named_by_path(dict(case, keys=keys[:-1], path=head))
+    if path.startswith("pool to bf16 + "):  # a staged attention call: a packed pool's widening kernel last
+        attn = [k for k in keys if isinstance(k, (AttnKey, CombineKey))]
+        widen = keys[len(attn) :]
+        if not all(isinstance(k, k_cache.CacheKey) and k.kind == "dequant" for k in widen):
+            return False
+        return len(widen) <= 1 and _named_by_path(dict(case, keys=attn, path=path.removeprefix("pool to bf16 + ")))
     if all(isinstance(k, (AttnKey, CombineKey, k_cache.CacheKey)) for k in keys):
         return path.startswith(keys[0].family) and all(k.family in path for k in keys)
     named = (indexer.QuantIndexKey, indexer.IndexLogitsKey, indexer.PagedLogitsKey, kpool.KpoolStoreKey)
@@ -191,8 +197,11 @@ def test_bench_cases_name_their_kernels(h200):
     assert cases["decode 256+0 bf16 T1 S65536 H64 k2048"]["path"] == "attn_decode_ws x32 + combine"
     assert cases["decode 256+0 packed T1 S65536 H64 k2048"]["path"] == "attn_decode_ws x32 + combine"
     assert cases["prefill deepseek bf16 T4096 S8192 H128 k2048"]["path"] == "attn_prefill_ws"
-    tail = "attn_prefill_ws + attn_decode_ws x16 + combine (last 4 tokens)"  # the persistent kernel's last round
-    assert cases["prefill 256+0 packed T4096 S8192 H64 k2048"]["path"] == tail
+    # FP8 pools that a prefill gathers many times: widened to bf16 first, then the bf16 rows' kernels
+    assert cases["prefill 256+0 packed T4096 S8192 H64 k2048"]["path"] == "pool to bf16 + attn_prefill_ws"
+    assert cases["prefill deepseek fp8 T4096 S8192 H128 k2048"]["path"] == "pool to bf16 + attn_prefill_ws"
+    in_kernel = cases["tp prefill deepseek packed T1024 S65536 H16 k2048 in-kernel"]
+    assert in_kernel["path"] == "attn_prefill_ws" and all(k.geo.kv_kind == "packed" for k in in_kernel["keys"])
     assert cases["decode 256+0 packed T17 S65536 H8 k2112"]["path"] == "attn_decode_ws x7 + combine"
     assert cases["prefill deepseek bf16 T4096 S8192 H16 k2048"]["path"] == "attn_prefill_ws"
     assert cases["decode deepseek packed T256 S65536 H128 k2048"]["path"] == "attn_prefill_ws"

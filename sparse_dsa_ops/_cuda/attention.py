@@ -12,8 +12,15 @@ import torch
 from csrc_tl.attention import AttnGeometry
 from csrc_tl.attention import keys as builders
 from csrc_tl.attention.keys import AttnKey, CombineKey
-from csrc_tl.attention.launch import AttnLaunch, attn_kernels, plan_launch, plan_splits, plan_tail
+from csrc_tl.attention.launch import (
+    AttnLaunch,
+    attn_kernels,
+    plan_launch,
+    plan_splits,
+    plan_tail,
+)
 
+from ..layout import KCacheLayout
 from ..ops import OPS, AttnArgs, check_gather_dequant_k_cache, takes_checked
 from . import k_cache
 from .common import aligned, check_pool, pool_rows, pool_slots
@@ -23,6 +30,7 @@ __all__ = [
     "SOURCE_OPS",
     "source_keys",
     "attn_keys",
+    "staged_keys",
     "warmup_keys",
     "plan_splits",
     "plan_tail",
@@ -84,6 +92,40 @@ def attn_keys(
     )
 
 
+def staged_keys(
+    kv_kind: str,
+    d_v: int,
+    d_rope: int,
+    heads: int,
+    sm_scale: float,
+    has_topk_length: bool,
+    target: str | None = None,
+    sm_count: int | None = None,
+    sink: bool = False,
+    max_logits: bool = False,
+) -> list:
+    """The kernels a staged call over FP8 rows of ``kv_kind`` runs (see :func:`plan_attn`): the widening of a packed
+    pool (native FP8 rows widen by a cast), then the bf16 rows' kernels (:func:`attn_keys`); none where calls are
+    never staged (bf16 rows, a target other than sm_90 CUDA)."""
+    if kv_kind == "bf16" or not _sm90(target):
+        return []
+    geo = _geometry(kv_kind, d_v, d_rope, heads, sm_scale, has_topk_length, False)
+    widen = k_cache.cache_keys("dequant_k_cache", geo.layout) if kv_kind == "packed" else []
+    bf16 = attn_keys(
+        "bf16",
+        d_v,
+        d_rope,
+        heads,
+        sm_scale,
+        has_topk_length,
+        target=target,
+        sm_count=sm_count,
+        sink=sink,
+        max_logits=max_logits,
+    )
+    return widen + bf16
+
+
 @functools.lru_cache(maxsize=4096)
 def plan_attn(
     kv_kind: str,
@@ -100,12 +142,16 @@ def plan_attn(
     sink: bool = False,
     max_logits: bool = False,
     transposed: bool | None = None,
+    slots: int | None = None,
+    staged: bool | None = None,
 ) -> AttnLaunch:
     """The launch plan of one call (:func:`csrc_tl.attention.launch.plan_launch`: its kernel keys and split count;
     ``target``, ``sink`` and ``max_logits`` as in :func:`attn_keys`; ``transposed=False``: the plain consumers at any
-    head count, for the bench's same-run comparison)."""
+    head count, for the bench's same-run comparison). Over a pool of ``slots`` FP8 rows the plan may stage the call:
+    widen the pool to bf16 first and run the bf16 rows' kernels (:func:`csrc_tl.attention.launch.plan_staged`;
+    ``staged`` forces either)."""
     geo = _geometry(kv_kind, d_v, d_rope, heads, sm_scale, has_topk_length, q_fp8)
-    return plan_launch(geo, tokens, topk, sm_count, _sm90(target), transposed, sink, max_logits)
+    return plan_launch(geo, tokens, topk, sm_count, _sm90(target), transposed, sink, max_logits, slots, staged)
 
 
 def warmup_keys(
@@ -119,7 +165,8 @@ def warmup_keys(
     attn_sink=(False,),
 ) -> list[AttnKey | CombineKey]:
     """Every attention kernel of one model geometry (a float8 q only goes with fp8 or packed kv); ``attn_sink``
-    whether calls pass a sink (False), do (True) or either. :func:`sparse_dsa_ops.sparse_attn_with_max_logits` (and
+    whether calls pass a sink (False), do (True) or either; with the kernels of calls over FP8 rows that the plan
+    stages (:func:`staged_keys`). :func:`sparse_dsa_ops.sparse_attn_with_max_logits` (and
     FlashMLA's prefill, :mod:`sparse_dsa_ops.flash_mla`) runs the prefill kernel of calls with a sink and the combine
     of its own calls: ``(False, True)`` covers it with or without a sink."""
     keys = []
@@ -129,6 +176,7 @@ def warmup_keys(
                 for sink in attn_sink:
                     if not (q_fp8 and kind == "bf16"):
                         keys += attn_keys(kind, d_nope, d_rope, heads, sm_scale, has_len, q_fp8=q_fp8, sink=sink)
+                        keys += staged_keys(kind, d_nope, d_rope, heads, sm_scale, has_len, sink=sink)
     return list(dict.fromkeys(keys))
 
 
@@ -173,11 +221,23 @@ def sparse_attn_with_max_logits(
 
 
 def _attend(
-    args: AttnArgs, q, kv, indices, sm_scale, d_v, topk_length, attn_sink, max_logits, empty_lse=None, transposed=None
+    args: AttnArgs,
+    q,
+    kv,
+    indices,
+    sm_scale,
+    d_v,
+    topk_length,
+    attn_sink,
+    max_logits,
+    empty_lse=None,
+    transposed=None,
+    staged=None,
 ):
     """``(out, lse)`` of ``sparse_attn``, and ``max_logits`` filled in place where given (``transposed=False``: the
-    plain consumers at any head count, the bench's same-run comparison; see :func:`plan_attn`). Empty rows' lse is
-    ``empty_lse`` (-inf when None): the combine writes it; after a prefill kernel (which writes -inf) one pass."""
+    plain consumers at any head count; ``staged``: the pool widened to bf16 first, or not; both for the bench's
+    same-run comparisons and the tests, see :func:`plan_attn`). Empty rows' lse is ``empty_lse`` (-inf when None):
+    the combine writes it; after a prefill kernel (which writes -inf) one pass."""
     t_count, heads, d_qk = q.shape
     empty = -math.inf if empty_lse is None else empty_lse
     out = torch.empty(t_count, heads, d_v, dtype=torch.bfloat16, device=q.device)
@@ -205,7 +265,12 @@ def _attend(
         sink=attn_sink is not None,
         max_logits=max_logits is not None,
         transposed=transposed,
+        slots=pool.shape[0],
+        staged=staged,
     )
+    if plan.staged:  # the bf16 rows' kernels over the pool widened once (every FP8 value widens exactly)
+        pool = k_cache.dequant_k_cache(pool) if args.kv_kind == "packed" else pool.to(torch.bfloat16)
+        q = q.to(torch.bfloat16)
     inputs = (q, idx) if topk_length is None else (q, idx, topk_length)
     main = plan.prefill_tokens
     if main:  # the prefill's tokens
@@ -309,8 +374,9 @@ def attn_case(
     call through FlashMLA's face, ``run``: its prefill for bf16 kv, its paged FP8 decode for packed kv, whose bench
     cases the face makes);
     ``causal``: the indices of one causal prefill (:func:`_causal_indices`, ``slots`` = ``tokens``) instead of
-    random ones over the whole pool; ``scheme``: the consumers of a few-heads case, "plain" or "transposed" (their
-    same-run comparison; None: the plan's)."""
+    random ones over the whole pool; ``scheme``: the consumers of a few-heads case, "plain" or "transposed", over
+    the FP8 rows in the kernel (never staged), or the plan's consumers over FP8 rows "in-kernel" or "staged" (see
+    :func:`plan_attn`; their same-run comparisons; None: the plan's)."""
 
     def make():
         gen = torch.Generator(device="cuda").manual_seed(0)
@@ -336,6 +402,7 @@ def attn_case(
         return (q, kv, idx, d_qk**-0.5, d_nope)
 
     flops = 2 * tokens * heads * topk * (2 * d_nope + d_rope)
+    transposed = {None: None, "in-kernel": None, "staged": None, "transposed": True, "plain": False}[scheme]
     plan = plan_attn(
         kind,
         d_nope,
@@ -349,10 +416,13 @@ def attn_case(
         torch.cuda.get_device_properties(0).multi_processor_count,
         sink=variant == "sink",
         max_logits=variant == "flash_mla" and kind != "packed",  # (flash_mla_sparse_fwd returns them)
-        transposed=None if scheme is None else scheme == "transposed",
+        transposed=transposed,
+        slots=slots,
+        staged=None if scheme is None else scheme == "staged",
     )
     if scheme is not None:
-        run = functools.partial(_scheme_run, scheme == "transposed")
+        run = functools.partial(_scheme_run, transposed, scheme == "staged")
+    widen = plan.staged and kind == "packed"  # the pool's widening kernel, after the attention kernels
     return dict(
         name=name,
         op="sparse_attn",
@@ -360,16 +430,17 @@ def attn_case(
         make=make,
         flops=flops,
         bytes=None,
-        keys=list(plan.keys),
+        keys=list(plan.keys) + (k_cache.cache_keys("dequant_k_cache", KCacheLayout(d_nope, d_rope)) * widen),
         path=str(plan),
         target=target,
     )
 
 
-def _scheme_run(transposed: bool, q, kv, indices, sm_scale, d_v):
-    """``sparse_attn`` on the transposed or the plain consumers (see :func:`plan_attn`)."""
+def _scheme_run(transposed: bool | None, staged: bool, q, kv, indices, sm_scale, d_v):
+    """``sparse_attn`` on the transposed or the plain consumers (None: the plan's), staged or not (see
+    :func:`plan_attn`)."""
     args = OPS["sparse_attn"].check(q, kv, indices, sm_scale, d_v)
-    return _attend(args, q, kv, indices, sm_scale, d_v, None, None, None, transposed=transposed)
+    return _attend(args, q, kv, indices, sm_scale, d_v, None, None, None, transposed=transposed, staged=staged)
 
 
 def bench_cases() -> list[dict]:
@@ -460,21 +531,41 @@ def variant_cases(variant: str, run=None) -> list[dict]:
     ]
 
 
+def _prefill_schemes(kind: str, heads: int) -> tuple:
+    """The schemes a shard prefill case is timed on: the plan's (for FP8 rows, staged), and beside it the FP8 rows
+    widened in the kernel, on the transposed and the plain consumers below 64 heads (for bf16 rows the plan's are the
+    transposed ones)."""
+    if kind == "bf16":
+        return ("transposed", "plain") if heads < 64 else (None,)
+    return (None, "transposed", "plain") if heads < 64 else (None, "in-kernel")
+
+
 def _shard_cases() -> list[dict]:
     """Tensor-parallel shards (8, 16, 32 heads per GPU) on the transposed and on the plain consumers, beside 64 and
-    128 heads of the same geometry: prefill and decode, random and causal indices."""
+    128 heads of the same geometry: prefill and decode, random and causal indices; FP8 rows staged and widened in the
+    kernel, and where staging starts (tokens and pool rows)."""
     cases = []
     for model, d_nope, d_rope in (("deepseek", 512, 64), ("glm5.3-flash", 512, 0)):
         for kind in ("bf16", "packed"):
             for heads in (8, 16, 32, 64):
                 shape = f"{model} {kind} T4096 S8192 H{heads} k2048"
-                for scheme in ("transposed", "plain") if heads < 64 else (None,):
+                for scheme in _prefill_schemes(kind, heads):
                     name = f"tp prefill {shape}" + (f" {scheme}" if scheme else "")
                     cases.append(attn_case(name, kind, d_nope, d_rope, heads, 4096, 8192, 2048, scheme=scheme))
     for kind in ("bf16", "packed"):
         for heads in (8, 16, 64):
-            name = f"tp prefill causal deepseek {kind} T8192 H{heads} k2048"
-            cases.append(attn_case(name, kind, 512, 64, heads, 8192, 8192, 2048, causal=True))
+            for scheme in (None,) if kind == "bf16" else (None, "in-kernel"):
+                name = f"tp prefill causal deepseek {kind} T8192 H{heads} k2048" + (f" {scheme}" if scheme else "")
+                cases.append(attn_case(name, kind, 512, 64, heads, 8192, 8192, 2048, causal=True, scheme=scheme))
+    for tokens, slots in ((512, 8192), (1024, 65536)):
+        for heads in (16, 128):
+            for scheme in ("staged", "in-kernel"):
+                name = f"tp prefill deepseek packed T{tokens} S{slots} H{heads} k2048 {scheme}"
+                cases.append(attn_case(name, "packed", 512, 64, heads, tokens, slots, 2048, scheme=scheme))
+    for heads in (8, 128):
+        for scheme in (None, "in-kernel"):
+            name = f"tp prefill deepseek fp8 T4096 S8192 H{heads} k2048" + (f" {scheme}" if scheme else "")
+            cases.append(attn_case(name, "fp8", 512, 64, heads, 4096, 8192, 2048, scheme=scheme))
     for tokens in (1, 4, 64, 256):
         for heads in (8, 16, 128):
             for scheme in ("transposed", "plain") if heads < 64 else (None,):
