@@ -25,19 +25,19 @@ from csrc_tl.attention import (
 )
 from csrc_tl.attention.keys import AttnKey, CombineKey
 from csrc_tl.attention.launch import (
-    STAGE_BYTES,
-    STAGE_MIN_TOKENS,
-    STAGE_REUSE,
     TAIL_MIN_BLOCKS,
     TAIL_MIN_SPLITS,
     TAIL_SPLIT_BLOCKS,
     TOPK_BLOCK,
+    WIDEN_BYTES,
+    WIDEN_MIN_TOKENS,
+    WIDEN_REUSE,
     AttnKernels,
     AttnLaunch,
     attn_kernels,
     plan_launch,
-    plan_staged,
-    staged_geometry,
+    plan_widen_pool,
+    widened_geometry,
 )
 from csrc_tl.attention.plan import CONSUMER_SCHEMES, DEFAULT_CTAS, ROW_SCHEMES, WS_NREG, WS_NREG_DIRECT
 
@@ -418,39 +418,42 @@ def test_launch_plan_is_frozen_and_checked():
         plan_launch(GLM_PACKED, 0, 2048, 132, True)
 
 
-def test_staged_plan():
+def test_widen_pool_plan():
     # a prefill that gathers each FP8 pool row many times widens the pool once and runs the bf16 rows' kernels
     ds8 = geometry("packed", 512, 64, 8)
     launch = plan_launch(ds8, 4096, 2048, 132, True, slots=8192)
-    assert launch.staged and launch.kernels == attn_kernels(staged_geometry(ds8), True, 132)
+    assert launch.widen_pool and launch.kernels == attn_kernels(widened_geometry(ds8), True, 132)
     assert launch.kernels.prefill.geo == geometry("bf16", 512, 64, 8) and launch.kernels.prefill.transposed
     assert str(launch) == "pool to bf16 + attn_prefill_ws"
     # native FP8 rows and a float8 q: the bf16 kernels take q widened
     fp8 = plan_launch(geometry("fp8", 512, 64, 128, q_fp8=True), 4096, 2048, 132, True, slots=8192)
-    assert fp8.staged and fp8.kernels.prefill.geo == geometry("bf16", 512, 64, 128)
-    # GLM's persistent packed prefill staged: the bf16 prefill, no tail split off
+    assert fp8.widen_pool and fp8.kernels.prefill.geo == geometry("bf16", 512, 64, 128)
+    # GLM's persistent packed prefill over its pool widened: the bf16 prefill, no tail split off
     assert plan_launch(GLM_PACKED, 4096, 2048, 132, True, slots=8192) == dataclasses.replace(
-        plan_launch(staged_geometry(GLM_PACKED), 4096, 2048, 132, True), staged=True
+        plan_launch(widened_geometry(GLM_PACKED), 4096, 2048, 132, True), widen_pool=True
     )
-    # not staged: no pool size given, fewer tokens than STAGE_MIN_TOKENS, a pool gathered fewer than STAGE_REUSE
-    # times per row (T 1024 over 65536 slots is 32 times: staged), a bf16 pool past STAGE_BYTES, bf16 rows, off sm_90
-    assert not plan_launch(ds8, 4096, 2048, 132, True).staged
-    assert not plan_launch(ds8, STAGE_MIN_TOKENS - 1, 2048, 132, True, slots=64).staged
-    assert not plan_launch(ds8, 1024, 2048, 132, True, slots=1024 * 2048 // STAGE_REUSE + 1).staged
-    assert plan_launch(ds8, 1024, 2048, 132, True, slots=65536).staged
-    largest = STAGE_BYTES // (2 * 576)
-    assert plan_staged(ds8, 1 << 20, 2048, largest, True) and not plan_staged(ds8, 1 << 20, 2048, largest + 1, True)
-    assert not plan_launch(geometry("bf16", 512, 64, 8), 4096, 2048, 132, True, slots=8192).staged
-    assert not plan_launch(ds8, 4096, 2048, 132, False, slots=8192).staged
+    # the pool not widened: no pool size given, fewer tokens than WIDEN_MIN_TOKENS, a pool gathered fewer than
+    # WIDEN_REUSE times per row (T 1024 over 65536 slots is 32 times: widened), a bf16 pool past WIDEN_BYTES, bf16
+    # rows, off sm_90
+    assert not plan_launch(ds8, 4096, 2048, 132, True).widen_pool
+    assert not plan_launch(ds8, WIDEN_MIN_TOKENS - 1, 2048, 132, True, slots=64).widen_pool
+    assert not plan_launch(ds8, 1024, 2048, 132, True, slots=1024 * 2048 // WIDEN_REUSE + 1).widen_pool
+    assert plan_launch(ds8, 1024, 2048, 132, True, slots=65536).widen_pool
+    largest = WIDEN_BYTES // (2 * 576)
+    assert plan_widen_pool(ds8, 1 << 20, 2048, largest, True) and not plan_widen_pool(
+        ds8, 1 << 20, 2048, largest + 1, True
+    )
+    assert not plan_launch(geometry("bf16", 512, 64, 8), 4096, 2048, 132, True, slots=8192).widen_pool
+    assert not plan_launch(ds8, 4096, 2048, 132, False, slots=8192).widen_pool
     # forced either way (the bench's and the tests' comparisons)
-    assert not plan_launch(ds8, 4096, 2048, 132, True, slots=8192, staged=False).staged
-    assert plan_launch(ds8, 256, 2048, 132, True, staged=True).staged
-    with pytest.raises(AssertionError, match="widens FP8 rows"):
-        plan_launch(geometry("bf16", 512, 64, 8), 4096, 2048, 132, True, staged=True)
+    assert not plan_launch(ds8, 4096, 2048, 132, True, slots=8192, widen_pool=False).widen_pool
+    assert plan_launch(ds8, 256, 2048, 132, True, widen_pool=True).widen_pool
+    with pytest.raises(AssertionError, match="widening the pool takes FP8 rows"):
+        plan_launch(geometry("bf16", 512, 64, 8), 4096, 2048, 132, True, widen_pool=True)
 
 
-def test_staged_keys_cover_the_staged_plan(monkeypatch):
-    # warmup compiles what a staged call launches: the widening of a packed pool, the bf16 rows' kernels
+def test_widen_pool_keys_cover_the_plan(monkeypatch):
+    # warmup compiles what a call over its pool widened launches: the widening of a packed pool, the bf16 rows' kernels
     from sparse_dsa_ops import _cuda
     from sparse_dsa_ops._cuda import k_cache
 
@@ -462,13 +465,13 @@ def test_staged_keys_cover_the_staged_plan(monkeypatch):
             plan = _cuda.plan_attn(
                 kind, 512, 64, heads, scale, True, q_fp8, 4100, 2048, DEFAULT_CTAS, "cuda", slots=8192
             )
-            keys = _cuda.staged_keys(kind, 512, 64, heads, scale, True, target="cuda", sm_count=DEFAULT_CTAS)
-            assert plan.staged and set(plan.keys) <= set(keys)
+            keys = _cuda.widen_pool_keys(kind, 512, 64, heads, scale, True, target="cuda", sm_count=DEFAULT_CTAS)
+            assert plan.widen_pool and set(plan.keys) <= set(keys)
             widen = k_cache.cache_keys("dequant_k_cache", geometry("packed", 512, 64).layout)
             assert (set(widen) <= set(keys)) == (kind == "packed")
             assert set(keys) <= set(_cuda.attention.warmup_keys(heads, 512, 64, scale, (kind,), (q_fp8,)))
-    assert _cuda.staged_keys("bf16", 512, 64, 8, 576**-0.5, False, target="cuda") == []
-    assert _cuda.staged_keys("packed", 512, 64, 8, 576**-0.5, False, target="hip") == []
+    assert _cuda.widen_pool_keys("bf16", 512, 64, 8, 576**-0.5, False, target="cuda") == []
+    assert _cuda.widen_pool_keys("packed", 512, 64, 8, 576**-0.5, False, target="hip") == []
 
 
 def test_topk_block_is_the_split_kernels_block():

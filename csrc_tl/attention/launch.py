@@ -23,17 +23,17 @@ __all__ = [
     "TAIL_SPLIT_BLOCKS",
     "TAIL_MIN_BLOCKS",
     "TAIL_MIN_SPLITS",
-    "STAGE_MIN_TOKENS",
-    "STAGE_REUSE",
-    "STAGE_BYTES",
+    "WIDEN_MIN_TOKENS",
+    "WIDEN_REUSE",
+    "WIDEN_BYTES",
     "AttnKernels",
     "AttnLaunch",
     "attn_kernels",
     "plan_launch",
     "plan_splits",
     "plan_tail",
-    "plan_staged",
-    "staged_geometry",
+    "plan_widen_pool",
+    "widened_geometry",
 ]
 
 # Top-k rows of a block of either split kernel (the portable kernel's decode tile; the warp-specialized split kernel
@@ -55,18 +55,18 @@ TAIL_SPLIT_BLOCKS = 2
 TAIL_MIN_BLOCKS = 16
 TAIL_MIN_SPLITS = 3
 
-# A prefill over FP8 rows (packed or native) that gathers each pool row many times widens the whole pool to bf16
-# once and runs the bf16 kernels over the copy (``staged``): the in-kernel widening of every gathered row, not the
-# gather, bounds the FP8 kernels at every head count (BENCHMARKS.md), so widening each row once and gathering bf16
-# rows is faster where the pool is small beside what the call gathers. The plan stages a call of at least
-# STAGE_MIN_TOKENS tokens that gathers STAGE_REUSE pool rows or more per row of the pool (T * K >= STAGE_REUSE * S:
-# the widening of S rows costs about what 16 gathered rows' in-kernel widening saves at 16 heads, H100) and whose
-# bf16 copy takes at most STAGE_BYTES; smaller batches (decode steps, which gather few rows of a serving pool) and
-# large pools keep the FP8 kernels. H100, T 4096, S 8192, k 2048: DeepSeek packed at 8 heads 2130 -> 1415 us
-# (kernel alone) and 128 heads 5392 -> 4071; T 256 over a pool of 65536 (T * K = 8 S) was slower staged.
-STAGE_MIN_TOKENS = 1024
-STAGE_REUSE = 16
-STAGE_BYTES = 128 << 20
+# A prefill over FP8 rows (packed or native) that gathers each pool row many times widens the whole pool to bf16 once
+# and runs the bf16 kernels over the copy (``AttnLaunch.widen_pool``): the in-kernel widening of every gathered row, not
+# the gather, bounds the FP8 kernels at every head count (BENCHMARKS.md), so widening each row once and gathering bf16
+# rows is faster where the pool is small beside what the call gathers. The plan widens the pool of a call of at least
+# WIDEN_MIN_TOKENS tokens that gathers WIDEN_REUSE pool rows or more per row of the pool (T * K >= WIDEN_REUSE * S: the
+# widening of S rows costs about what 16 gathered rows' in-kernel widening saves at 16 heads, H100) and whose bf16 copy
+# takes at most WIDEN_BYTES; smaller batches (decode steps, which gather few rows of a serving pool) and large pools
+# keep the FP8 kernels. H100, T 4096, S 8192, k 2048: DeepSeek packed at 8 heads 2130 -> 1415 us (kernel alone) and 128
+# heads 5392 -> 4071; T 256 over a pool of 65536 (T * K = 8 S) was slower so.
+WIDEN_MIN_TOKENS = 1024
+WIDEN_REUSE = 16
+WIDEN_BYTES = 128 << 20
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ class AttnLaunch:
     tokens: int
     prefill_tokens: int
     splits: int = 1  # parts of each split-path token's top-k range; 1 where no token takes the split path
-    staged: bool = False  # the pool is widened to bf16 first and ``kernels`` are the bf16 rows' (plan_staged)
+    widen_pool: bool = False  # the pool is widened to bf16 first and ``kernels`` are the bf16 rows' (plan_widen_pool)
 
     def __post_init__(self):
         assert 0 <= self.prefill_tokens <= self.tokens, "the prefill takes some of the call's tokens"
@@ -137,10 +137,10 @@ class AttnLaunch:
         split = f"{self.kernels.split.family} x{self.splits} + combine" if self.split else ""
         if not self.prefill:
             return split
-        staged = "pool to bf16 + " if self.staged else ""
+        widen_pool = "pool to bf16 + " if self.widen_pool else ""
         if not self.split:
-            return staged + self.prefill.family
-        return f"{staged}{self.prefill.family} + {split} (last {self.split_tokens} tokens)"
+            return widen_pool + self.prefill.family
+        return f"{widen_pool}{self.prefill.family} + {split} (last {self.split_tokens} tokens)"
 
 
 def attn_kernels(
@@ -183,7 +183,7 @@ def plan_launch(
     sink: bool = False,
     max_logits: bool = False,
     slots: int | None = None,
-    staged: bool | None = None,
+    widen_pool: bool | None = None,
 ) -> AttnLaunch:
     """The launch of one call over ``tokens`` tokens (T >= 1) of top-k width ``topk`` (K, a multiple of
     :data:`TOPK_BLOCK`) on a GPU of ``sm_count`` SMs, on sm_90 CUDA where ``sm90``, with the kernels of
@@ -192,16 +192,16 @@ def plan_launch(
     else the prefill takes them, all but a persistent prefill's last partial round (:func:`plan_tail`).
     GLM packed prefill T 4096 at 64 heads on 132 SMs, sm_90: the persistent prefill over 4092 tokens, the last 4
     in 16 splits; a decode T 1 at 64 heads: 32 splits of one top-k block each. Over a pool of ``slots`` rows (S;
-    None: unknown, never staged) of FP8 rows, :func:`plan_staged` decides whether the pool is widened to bf16 first,
-    and the call then runs the kernels of :func:`staged_geometry`; ``staged`` forces either (the bench's and the
-    tests' same-run comparison; True needs FP8 rows on sm_90)."""
+    None: unknown, never widened) of FP8 rows, :func:`plan_widen_pool` decides whether the pool is widened to bf16
+    first, and the call then runs the kernels of :func:`widened_geometry`; ``widen_pool`` forces either (the bench's
+    and the tests' same-run comparison; True needs FP8 rows on sm_90)."""
     assert tokens >= 1, "a call of no tokens launches nothing"
-    if staged is None:
-        staged = slots is not None and plan_staged(geo, tokens, topk, slots, sm90)
-    if staged:
-        assert sm90 and geo.kv_kind != "bf16", "a staged call widens FP8 rows for the sm_90 bf16 kernels"
-        bf16 = plan_launch(staged_geometry(geo), tokens, topk, sm_count, sm90, transposed, sink, max_logits)
-        return dataclasses.replace(bf16, staged=True)
+    if widen_pool is None:
+        widen_pool = slots is not None and plan_widen_pool(geo, tokens, topk, slots, sm90)
+    if widen_pool:
+        assert sm90 and geo.kv_kind != "bf16", "widening the pool takes FP8 rows and the sm_90 bf16 kernels"
+        bf16 = plan_launch(widened_geometry(geo), tokens, topk, sm_count, sm90, transposed, sink, max_logits)
+        return dataclasses.replace(bf16, widen_pool=True)
     kernels = attn_kernels(geo, sm90, sm_count, transposed, sink, max_logits)
     splits = plan_splits(tokens, geo.heads, topk, sm_count)
     if splits > 1:
@@ -212,20 +212,20 @@ def plan_launch(
     return AttnLaunch(kernels, tokens, tokens)
 
 
-def staged_geometry(geo: AttnGeometry) -> AttnGeometry:
-    """The geometry of a staged call's kernels: ``geo`` over bf16 rows and a bf16 q (every FP8 value widens
-    exactly)."""
+def widened_geometry(geo: AttnGeometry) -> AttnGeometry:
+    """The kernels' geometry of a call over its pool widened: ``geo`` over bf16 rows and a bf16 q (every FP8 value
+    widens exactly)."""
     return dataclasses.replace(geo, kv_kind="bf16", q_fp8=False)
 
 
-def plan_staged(geo: AttnGeometry, tokens: int, topk: int, slots: int, sm90: bool) -> bool:
+def plan_widen_pool(geo: AttnGeometry, tokens: int, topk: int, slots: int, sm90: bool) -> bool:
     """Whether a call over a pool of ``slots`` FP8 rows (packed or native) widens the pool to bf16 first and runs the
-    bf16 kernels (see :data:`STAGE_REUSE`): on sm_90 CUDA, from :data:`STAGE_MIN_TOKENS` tokens, where the call
-    gathers at least ``STAGE_REUSE`` rows per pool row and the bf16 pool takes at most :data:`STAGE_BYTES`. GLM-5 at
-    8 heads, T 4096, K 2048 over 8192 slots: staged; T 256 over 65536 slots: not."""
-    if not sm90 or geo.kv_kind == "bf16" or tokens < STAGE_MIN_TOKENS or slots <= 0:
+    bf16 kernels (see :data:`WIDEN_REUSE`): on sm_90 CUDA, from :data:`WIDEN_MIN_TOKENS` tokens, where the call
+    gathers at least ``WIDEN_REUSE`` rows per pool row and the bf16 pool takes at most :data:`WIDEN_BYTES`. GLM-5 at
+    8 heads, T 4096, K 2048 over 8192 slots: widened; T 256 over 65536 slots: not."""
+    if not sm90 or geo.kv_kind == "bf16" or tokens < WIDEN_MIN_TOKENS or slots <= 0:
         return False
-    return tokens * topk >= STAGE_REUSE * slots and slots * geo.d_qk * 2 <= STAGE_BYTES
+    return tokens * topk >= WIDEN_REUSE * slots and slots * geo.d_qk * 2 <= WIDEN_BYTES
 
 
 def plan_splits(tokens: int, heads: int, topk: int, sm_count: int, min_blocks: int = 1) -> int:

@@ -6,7 +6,7 @@ implementation of each of its ops under the op's name (``register_backend`` find
 from importlib import import_module
 
 from ..ops import FAMILY_NAMES
-from .attention import attn_keys, plan_attn, plan_splits, plan_tail, staged_keys
+from .attention import attn_keys, plan_attn, plan_splits, plan_tail, widen_pool_keys
 from .compile import TARGETS, kernel, lower_source, pass_configs, program, warmup
 from .k_cache import cache_keys
 
@@ -23,7 +23,7 @@ __all__ = [
     "warmup",
     "cache_keys",
     "attn_keys",
-    "staged_keys",
+    "widen_pool_keys",
     "plan_attn",
     "plan_splits",
     "plan_tail",

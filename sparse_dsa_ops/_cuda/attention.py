@@ -30,7 +30,7 @@ __all__ = [
     "SOURCE_OPS",
     "source_keys",
     "attn_keys",
-    "staged_keys",
+    "widen_pool_keys",
     "warmup_keys",
     "plan_splits",
     "plan_tail",
@@ -92,7 +92,7 @@ def attn_keys(
     )
 
 
-def staged_keys(
+def widen_pool_keys(
     kv_kind: str,
     d_v: int,
     d_rope: int,
@@ -104,9 +104,9 @@ def staged_keys(
     sink: bool = False,
     max_logits: bool = False,
 ) -> list:
-    """The kernels a staged call over FP8 rows of ``kv_kind`` runs (see :func:`plan_attn`): the widening of a packed
-    pool (native FP8 rows widen by a cast), then the bf16 rows' kernels (:func:`attn_keys`); none where calls are
-    never staged (bf16 rows, a target other than sm_90 CUDA)."""
+    """The kernels a call over FP8 rows of ``kv_kind`` runs where the plan widens its pool (see :func:`plan_attn`):
+    the widening of a packed pool (native FP8 rows widen by a cast), then the bf16 rows' kernels (:func:`attn_keys`);
+    none where pools are never widened (bf16 rows, a target other than sm_90 CUDA)."""
     if kv_kind == "bf16" or not _sm90(target):
         return []
     geo = _geometry(kv_kind, d_v, d_rope, heads, sm_scale, has_topk_length, False)
@@ -143,15 +143,15 @@ def plan_attn(
     max_logits: bool = False,
     transposed: bool | None = None,
     slots: int | None = None,
-    staged: bool | None = None,
+    widen_pool: bool | None = None,
 ) -> AttnLaunch:
     """The launch plan of one call (:func:`csrc_tl.attention.launch.plan_launch`: its kernel keys and split count;
     ``target``, ``sink`` and ``max_logits`` as in :func:`attn_keys`; ``transposed=False``: the plain consumers at any
-    head count, for the bench's same-run comparison). Over a pool of ``slots`` FP8 rows the plan may stage the call:
-    widen the pool to bf16 first and run the bf16 rows' kernels (:func:`csrc_tl.attention.launch.plan_staged`;
-    ``staged`` forces either)."""
+    head count, for the bench's same-run comparison). Over a pool of ``slots`` FP8 rows the plan may widen the pool
+    to bf16 first and run the bf16 rows' kernels (:func:`csrc_tl.attention.launch.plan_widen_pool`;
+    ``widen_pool`` forces either)."""
     geo = _geometry(kv_kind, d_v, d_rope, heads, sm_scale, has_topk_length, q_fp8)
-    return plan_launch(geo, tokens, topk, sm_count, _sm90(target), transposed, sink, max_logits, slots, staged)
+    return plan_launch(geo, tokens, topk, sm_count, _sm90(target), transposed, sink, max_logits, slots, widen_pool)
 
 
 def warmup_keys(
@@ -166,7 +166,7 @@ def warmup_keys(
 ) -> list[AttnKey | CombineKey]:
     """Every attention kernel of one model geometry (a float8 q only goes with fp8 or packed kv); ``attn_sink``
     whether calls pass a sink (False), do (True) or either; with the kernels of calls over FP8 rows that the plan
-    stages (:func:`staged_keys`). :func:`sparse_dsa_ops.sparse_attn_with_max_logits` (and
+    widens (:func:`widen_pool_keys`). :func:`sparse_dsa_ops.sparse_attn_with_max_logits` (and
     FlashMLA's prefill, :mod:`sparse_dsa_ops.flash_mla`) runs the prefill kernel of calls with a sink and the combine
     of its own calls: ``(False, True)`` covers it with or without a sink."""
     keys = []
@@ -176,7 +176,7 @@ def warmup_keys(
                 for sink in attn_sink:
                     if not (q_fp8 and kind == "bf16"):
                         keys += attn_keys(kind, d_nope, d_rope, heads, sm_scale, has_len, q_fp8=q_fp8, sink=sink)
-                        keys += staged_keys(kind, d_nope, d_rope, heads, sm_scale, has_len, sink=sink)
+                        keys += widen_pool_keys(kind, d_nope, d_rope, heads, sm_scale, has_len, sink=sink)
     return list(dict.fromkeys(keys))
 
 
@@ -232,10 +232,10 @@ def _attend(
     max_logits,
     empty_lse=None,
     transposed=None,
-    staged=None,
+    widen_pool=None,
 ):
     """``(out, lse)`` of ``sparse_attn``, and ``max_logits`` filled in place where given (``transposed=False``: the
-    plain consumers at any head count; ``staged``: the pool widened to bf16 first, or not; both for the bench's
+    plain consumers at any head count; ``widen_pool``: the pool widened to bf16 first, or not; both for the bench's
     same-run comparisons and the tests, see :func:`plan_attn`). Empty rows' lse is ``empty_lse`` (-inf when None):
     the combine writes it; after a prefill kernel (which writes -inf) one pass."""
     t_count, heads, d_qk = q.shape
@@ -266,9 +266,9 @@ def _attend(
         max_logits=max_logits is not None,
         transposed=transposed,
         slots=pool.shape[0],
-        staged=staged,
+        widen_pool=widen_pool,
     )
-    if plan.staged:  # the bf16 rows' kernels over the pool widened once (every FP8 value widens exactly)
+    if plan.widen_pool:  # the bf16 rows' kernels over the pool widened once (every FP8 value widens exactly)
         pool = k_cache.dequant_k_cache(pool) if args.kv_kind == "packed" else pool.to(torch.bfloat16)
         q = q.to(torch.bfloat16)
     inputs = (q, idx) if topk_length is None else (q, idx, topk_length)
@@ -375,8 +375,8 @@ def attn_case(
     cases the face makes);
     ``causal``: the indices of one causal prefill (:func:`_causal_indices`, ``slots`` = ``tokens``) instead of
     random ones over the whole pool; ``scheme``: the consumers of a few-heads case, "plain" or "transposed", over
-    the FP8 rows in the kernel (never staged), or the plan's consumers over FP8 rows "in-kernel" or "staged" (see
-    :func:`plan_attn`; their same-run comparisons; None: the plan's)."""
+    the FP8 rows in the kernel (the pool never widened), or the plan's consumers over FP8 rows "in-kernel" or
+    "widened" (see :func:`plan_attn`; their same-run comparisons; None: the plan's)."""
 
     def make():
         gen = torch.Generator(device="cuda").manual_seed(0)
@@ -402,7 +402,7 @@ def attn_case(
         return (q, kv, idx, d_qk**-0.5, d_nope)
 
     flops = 2 * tokens * heads * topk * (2 * d_nope + d_rope)
-    transposed = {None: None, "in-kernel": None, "staged": None, "transposed": True, "plain": False}[scheme]
+    transposed = {None: None, "in-kernel": None, "widened": None, "transposed": True, "plain": False}[scheme]
     plan = plan_attn(
         kind,
         d_nope,
@@ -418,11 +418,11 @@ def attn_case(
         max_logits=variant == "flash_mla" and kind != "packed",  # (flash_mla_sparse_fwd returns them)
         transposed=transposed,
         slots=slots,
-        staged=None if scheme is None else scheme == "staged",
+        widen_pool=None if scheme is None else scheme == "widened",
     )
     if scheme is not None:
-        run = functools.partial(_scheme_run, transposed, scheme == "staged")
-    widen = plan.staged and kind == "packed"  # the pool's widening kernel, after the attention kernels
+        run = functools.partial(_scheme_run, transposed, scheme == "widened")
+    widen = plan.widen_pool and kind == "packed"  # the pool's widening kernel, after the attention kernels
     return dict(
         name=name,
         op="sparse_attn",
@@ -436,11 +436,11 @@ def attn_case(
     )
 
 
-def _scheme_run(transposed: bool | None, staged: bool, q, kv, indices, sm_scale, d_v):
-    """``sparse_attn`` on the transposed or the plain consumers (None: the plan's), staged or not (see
+def _scheme_run(transposed: bool | None, widen_pool: bool, q, kv, indices, sm_scale, d_v):
+    """``sparse_attn`` on the transposed or the plain consumers (None: the plan's), the pool widened first or not (see
     :func:`plan_attn`)."""
     args = OPS["sparse_attn"].check(q, kv, indices, sm_scale, d_v)
-    return _attend(args, q, kv, indices, sm_scale, d_v, None, None, None, transposed=transposed, staged=staged)
+    return _attend(args, q, kv, indices, sm_scale, d_v, None, None, None, transposed=transposed, widen_pool=widen_pool)
 
 
 def bench_cases() -> list[dict]:
@@ -532,9 +532,9 @@ def variant_cases(variant: str, run=None) -> list[dict]:
 
 
 def _prefill_schemes(kind: str, heads: int) -> tuple:
-    """The schemes a shard prefill case is timed on: the plan's (for FP8 rows, staged), and beside it the FP8 rows
-    widened in the kernel, on the transposed and the plain consumers below 64 heads (for bf16 rows the plan's are the
-    transposed ones)."""
+    """The schemes a shard prefill case is timed on: the plan's (for FP8 rows, the pool widened first), and beside it
+    the FP8 rows widened in the kernel, on the transposed and the plain consumers below 64 heads (for bf16 rows the
+    plan's are the transposed ones)."""
     if kind == "bf16":
         return ("transposed", "plain") if heads < 64 else (None,)
     return (None, "transposed", "plain") if heads < 64 else (None, "in-kernel")
@@ -542,8 +542,8 @@ def _prefill_schemes(kind: str, heads: int) -> tuple:
 
 def _shard_cases() -> list[dict]:
     """Tensor-parallel shards (8, 16, 32 heads per GPU) on the transposed and on the plain consumers, beside 64 and
-    128 heads of the same geometry: prefill and decode, random and causal indices; FP8 rows staged and widened in the
-    kernel, and where staging starts (tokens and pool rows)."""
+    128 heads of the same geometry: prefill and decode, random and causal indices; FP8 rows widened as a pool and in
+    the kernel, and where widening the pool starts to pay (tokens and pool rows)."""
     cases = []
     for model, d_nope, d_rope in (("deepseek", 512, 64), ("glm5.3-flash", 512, 0)):
         for kind in ("bf16", "packed"):
@@ -559,7 +559,7 @@ def _shard_cases() -> list[dict]:
                 cases.append(attn_case(name, kind, 512, 64, heads, 8192, 8192, 2048, causal=True, scheme=scheme))
     for tokens, slots in ((512, 8192), (1024, 65536)):
         for heads in (16, 128):
-            for scheme in ("staged", "in-kernel"):
+            for scheme in ("widened", "in-kernel"):
                 name = f"tp prefill deepseek packed T{tokens} S{slots} H{heads} k2048 {scheme}"
                 cases.append(attn_case(name, "packed", 512, 64, heads, tokens, slots, 2048, scheme=scheme))
     for heads in (8, 128):

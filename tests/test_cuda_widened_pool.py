@@ -1,6 +1,6 @@
-"""Staged sparse attention on the GPU: a prefill over FP8 rows (packed or native) that gathers each pool row many
-times widens the pool to bf16 once and runs the bf16 rows' kernels (``plan_staged``), against the reference with the
-hostile inputs of the attention suite."""
+"""Sparse attention over a widened pool on the GPU: a prefill over FP8 rows (packed or native) that gathers each pool
+row many times widens the pool to bf16 once and runs the bf16 rows' kernels (``plan_widen_pool``), against the
+reference with the hostile inputs of the attention suite."""
 
 import pytest
 import torch
@@ -12,7 +12,7 @@ from tests.test_cuda import attn_inputs, check_attn, check_sink_and_max, cuda, g
 
 pytestmark = pytest.mark.cuda
 
-T_COUNT, TOPK = 1024, 128  # over attn_inputs' 4096 slots: 32 gathered rows per pool row, staged
+T_COUNT, TOPK = 1024, 128  # over attn_inputs' 4096 slots: 32 gathered rows per pool row: widened
 # (geometry (d_v, d_rope, heads), kind, topk_length): both 512-wide rows at shard head counts, the 256-wide rows at 64
 # heads, native FP8 rows and a float8 q at 128 heads
 STAGED_CASES = [
@@ -26,7 +26,7 @@ SINK_CASE = ((512, 64, 16), "packed")
 
 def _keys(geo, kind, with_lengths, sink=False):
     (d_v, d_rope, heads), (kv_kind, _) = geo, kernel_kind(kind)
-    return dsa._cuda.staged_keys(kv_kind, d_v, d_rope, heads, (d_v + d_rope) ** -0.5, with_lengths, sink=sink)
+    return dsa._cuda.widen_pool_keys(kv_kind, d_v, d_rope, heads, (d_v + d_rope) ** -0.5, with_lengths, sink=sink)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -34,26 +34,26 @@ def compiled():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     if not dsa._cuda.compile.is_hopper():
-        pytest.skip("calls are staged on sm_90 only")
+        pytest.skip("pools are widened on sm_90 only")
     keys = [k for geo, kind, with_lengths in STAGED_CASES for k in _keys(geo, kind, with_lengths)]
     keys += _keys(*SINK_CASE, False, sink=True) + _keys(*SINK_CASE, False)
     dsa._cuda.warmup(list(dict.fromkeys(keys)), workers=16, progress=False)
 
 
-def _staged(geo, kind, with_lengths) -> bool:
+def _widened(geo, kind, with_lengths) -> bool:
     (d_v, d_rope, heads), (kv_kind, q_fp8) = geo, kernel_kind(kind)
     scale = (d_v + d_rope) ** -0.5
     args = (kv_kind, d_v, d_rope, heads, scale, with_lengths, q_fp8, T_COUNT, TOPK, sm_count(torch.device("cuda")))
-    return dsa._cuda.plan_attn(*args, slots=4096).staged
+    return dsa._cuda.plan_attn(*args, slots=4096).widen_pool
 
 
 @pytest.mark.parametrize(
     "geo, kind, with_lengths", STAGED_CASES, ids=[f"{g[0]}+{g[1]}-h{g[2]}-{k}" for g, k, _ in STAGED_CASES]
 )
-def test_staged_against_the_reference(geo, kind, with_lengths):
+def test_widened_pool_against_the_reference(geo, kind, with_lengths):
     # hostile indices (sentinels, duplicates), an empty row, NaN in unselected rows (widened with the pool, never
     # read), outputs poisoned; lengths cut rows short (one to nothing, some past the top-k width)
-    assert _staged(geo, kind, with_lengths)
+    assert _widened(geo, kind, with_lengths)
     lengths = None
     if with_lengths:
         lengths = torch.randint(-3, TOPK + 40, (T_COUNT,), generator=gen(7), dtype=torch.int32)
@@ -62,12 +62,12 @@ def test_staged_against_the_reference(geo, kind, with_lengths):
     check_attn(got, want)
 
 
-def test_staged_sink_and_max_logits():
-    assert _staged(*SINK_CASE, False)
+def test_widened_pool_sink_and_max_logits():
+    assert _widened(*SINK_CASE, False)
     check_sink_and_max(*SINK_CASE, T_COUNT, TOPK, None)
 
 
-def test_staged_repeatable_and_replayed_on_new_data():
+def test_widened_pool_repeatable_and_replayed_on_new_data():
     # bit-identical repeats, and a captured graph (the widening of the pool in it) replayed on new inputs
     inputs = attn_inputs(*SINK_CASE, T_COUNT, TOPK, seed=3)
     q, kv, idx = cuda(*inputs[:3])
