@@ -37,6 +37,10 @@ def compiled():
         pytest.skip("pools are widened on sm_90 only")
     keys = [k for geo, kind, with_lengths in STAGED_CASES for k in _keys(geo, kind, with_lengths)]
     keys += _keys(*SINK_CASE, False, sink=True) + _keys(*SINK_CASE, False)
+    keys += _keys((512, 64, 8), "packed", False) + _keys((512, 64, 8), "fp8", False)
+    keys += dsa._cuda.attn_keys("packed", 512, 64, 8, 576**-0.5, False) + dsa._cuda.attn_keys(
+        "fp8", 512, 64, 8, 576**-0.5, False, q_fp8=True
+    )
     dsa._cuda.warmup(list(dict.fromkeys(keys)), workers=16, progress=False)
 
 
@@ -82,3 +86,41 @@ def test_widened_pool_repeatable_and_replayed_on_new_data():
         dst.copy_(src)
     graph.replay()
     check_attn((out.clone(), lse.clone()), reference.sparse_attn(*fresh))
+
+
+def _serving_pool(kind, distinct, seed):
+    """Inputs of T_COUNT tokens whose selections touch ``distinct`` rows spread over a pool of 16 x 4096 rows (a
+    serving pool; the rows no token selects hold NaN bytes): ids outside the rows stay invalid."""
+    geo = (512, 64, 8)
+    q, kv, idx, scale, d_v = attn_inputs(geo, kind, T_COUNT, TOPK, num_slots=distinct, seed=seed)
+    slots = 16 * 4096
+    place = torch.randperm(slots, generator=gen(seed + 1))[:distinct]
+    raw = kv.view(torch.uint8)
+    pool = torch.full((slots, raw.shape[1]), 0xFF, dtype=torch.uint8)
+    pool[place] = raw
+    valid = (idx >= 0) & (idx < distinct)
+    idx = torch.where(valid, place[idx.clamp(0, distinct - 1)].int(), torch.where(idx < 0, idx, 2**31 - 1))
+    return q, pool.view(kv.dtype), idx, scale, d_v
+
+
+@pytest.mark.parametrize("kind", ["packed", "fp8"])
+@pytest.mark.parametrize("distinct", [4096, 16 * 4096], ids=["one-request", "whole-pool"])
+def test_widened_rows_of_a_serving_pool(kind, distinct):
+    # a pool too large to widen whole: the call counts the rows it selects and widens them alone where they are few
+    # (4096 rows, selected 32 times each), else keeps the FP8 kernels; the same results either way
+    inputs = _serving_pool(kind, distinct, seed=distinct % 97)
+    (kv_kind, q_fp8), sms = kernel_kind(kind), sm_count(torch.device("cuda"))
+    plan = dsa._cuda.plan_attn(kv_kind, 512, 64, 8, inputs[3], False, q_fp8, T_COUNT, TOPK, sms, slots=16 * 4096)
+    assert plan.count_rows and not plan.widen_pool
+    check_attn(*run_both(inputs))
+
+
+def test_widened_rows_not_counted_in_a_capture():
+    # inside a graph capture the call cannot sync to count its rows: it keeps the FP8 kernels
+    inputs = _serving_pool("packed", 4096, seed=5)
+    q, kv, idx = cuda(*inputs[:3])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = dsa.sparse_attn(q, kv, idx, *inputs[3:])
+    graph.replay()
+    check_attn((out.clone(), lse.clone()), reference.sparse_attn(*inputs))

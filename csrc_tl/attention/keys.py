@@ -7,6 +7,7 @@ included, which the kernels compile in), and :func:`build` makes the kernel's pr
 from dataclasses import dataclass
 
 from .geometry import DEFAULT_TILES, AttnGeometry
+from .rows import RowsKey, build_rows
 
 SCHEMES = ("prefill", "decode", "prefill_ws", "decode_ws")  # portable and warp-specialized, prefill and split
 
@@ -78,8 +79,10 @@ class CombineKey:
         return self.name
 
 
-def build(key: "AttnKey | CombineKey"):
+def build(key: "AttnKey | CombineKey | RowsKey"):
     """The TileLang program of ``key``."""
+    if isinstance(key, RowsKey):
+        return build_rows(key)
     if isinstance(key, CombineKey):
         from .combine import build_combine
 
@@ -100,7 +103,7 @@ def build(key: "AttnKey | CombineKey"):
     return build_attn(key.geo, split=key.split, sink_max=key.sink_max, **tiles)
 
 
-def pass_configs(key: "AttnKey | CombineKey") -> dict:
+def pass_configs(key: "AttnKey | CombineKey | RowsKey") -> dict:
     """TileLang pass configs of ``key``'s kernel."""
     if isinstance(key, AttnKey) and key.warp_specialized:
         from .plan import WS_PASS_CONFIGS

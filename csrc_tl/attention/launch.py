@@ -33,6 +33,7 @@ __all__ = [
     "plan_splits",
     "plan_tail",
     "plan_widen_pool",
+    "plan_count_rows",
     "widened_geometry",
 ]
 
@@ -104,6 +105,7 @@ class AttnLaunch:
     prefill_tokens: int
     splits: int = 1  # parts of each split-path token's top-k range; 1 where no token takes the split path
     widen_pool: bool = False  # the pool is widened to bf16 first and ``kernels`` are the bf16 rows' (plan_widen_pool)
+    count_rows: bool = False  # eagerly, count the rows the call selects: widened alone where they pass plan_widen_pool
 
     def __post_init__(self):
         assert 0 <= self.prefill_tokens <= self.tokens, "the prefill takes some of the call's tokens"
@@ -198,6 +200,9 @@ def plan_launch(
     assert tokens >= 1, "a call of no tokens launches nothing"
     if widen_pool is None:
         widen_pool = slots is not None and plan_widen_pool(geo, tokens, topk, slots, sm90)
+        count = slots is not None and not widen_pool and plan_count_rows(geo, tokens, sm90)
+        launch = plan_launch(geo, tokens, topk, sm_count, sm90, transposed, sink, max_logits, widen_pool=widen_pool)
+        return dataclasses.replace(launch, count_rows=count) if count else launch
     if widen_pool:
         assert sm90 and geo.kv_kind != "bf16", "widening the pool takes FP8 rows and the sm_90 bf16 kernels"
         bf16 = plan_launch(widened_geometry(geo), tokens, topk, sm_count, sm90, transposed, sink, max_logits)
@@ -226,6 +231,15 @@ def plan_widen_pool(geo: AttnGeometry, tokens: int, topk: int, slots: int, sm90:
     if not sm90 or geo.kv_kind == "bf16" or tokens < WIDEN_MIN_TOKENS or slots <= 0:
         return False
     return tokens * topk >= WIDEN_REUSE * slots and slots * geo.d_qk * 2 <= WIDEN_BYTES
+
+
+def plan_count_rows(geo: AttnGeometry, tokens: int, sm90: bool) -> bool:
+    """Whether a call over FP8 rows whose whole pool is not widened (a serving pool, larger than the call gathers
+    often or than :data:`WIDEN_BYTES`) counts the distinct rows it selects, eagerly (one sync), to widen those alone
+    where :func:`plan_widen_pool` passes their count (a prefill chunk of one request selects rows of that request
+    only): on sm_90 CUDA from :data:`WIDEN_MIN_TOKENS` tokens. Inside a graph capture the call keeps the FP8
+    kernels."""
+    return sm90 and geo.kv_kind != "bf16" and tokens >= WIDEN_MIN_TOKENS
 
 
 def plan_splits(tokens: int, heads: int, topk: int, sm_count: int, min_blocks: int = 1) -> int:

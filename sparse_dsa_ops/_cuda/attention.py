@@ -19,6 +19,7 @@ from csrc_tl.attention.launch import (
     plan_splits,
     plan_tail,
 )
+from csrc_tl.attention.rows import RowsKey
 
 from ..layout import KCacheLayout
 from ..ops import OPS, AttnArgs, check_gather_dequant_k_cache, takes_checked
@@ -44,6 +45,7 @@ __all__ = [
 
 register_builder(AttnKey, builders.build, builders.pass_configs)
 register_builder(CombineKey, builders.build, builders.pass_configs)
+register_builder(RowsKey, builders.build, builders.pass_configs)
 
 
 def _geometry(
@@ -105,12 +107,16 @@ def widen_pool_keys(
     max_logits: bool = False,
 ) -> list:
     """The kernels a call over FP8 rows of ``kv_kind`` runs where the plan widens its pool (see :func:`plan_attn`):
-    the widening of a packed pool (native FP8 rows widen by a cast), then the bf16 rows' kernels (:func:`attn_keys`);
-    none where pools are never widened (bf16 rows, a target other than sm_90 CUDA)."""
+    the row maps of a serving pool's selected rows, the widening of a packed pool or of its selected rows (native
+    FP8 rows widen by a cast), then the bf16 rows' kernels (:func:`attn_keys`); none where pools are never widened
+    (bf16 rows, a target other than sm_90 CUDA)."""
     if kv_kind == "bf16" or not _sm90(target):
         return []
     geo = _geometry(kv_kind, d_v, d_rope, heads, sm_scale, has_topk_length, False)
-    widen = k_cache.cache_keys("dequant_k_cache", geo.layout) if kv_kind == "packed" else []
+    widen = [RowsKey("mark"), RowsKey("remap")]  # a serving pool's selected rows (plan_count_rows)
+    if kv_kind == "packed":  # the whole pool, or the selected rows
+        widen += k_cache.cache_keys("dequant_k_cache", geo.layout)
+        widen += k_cache.cache_keys("gather_dequant_k_cache", geo.layout)
     bf16 = attn_keys(
         "bf16",
         d_v,
@@ -251,7 +257,8 @@ def _attend(
     pool = pool_rows(kv, args.pool, args.kv_kind == "packed")
     check_pool("sparse_attn", "kv", pool, pool.shape[1] * pool.element_size())
     idx = pool_slots(indices.reshape(t_count, args.topk), args.pool)
-    plan = plan_attn(
+    ask = functools.partial(  # the launch plan of this call, over a pool of a given number of rows
+        plan_attn,
         args.kv_kind,
         d_v,
         args.d_rope,
@@ -265,12 +272,16 @@ def _attend(
         sink=attn_sink is not None,
         max_logits=max_logits is not None,
         transposed=transposed,
-        slots=pool.shape[0],
-        widen_pool=widen_pool,
     )
+    plan = ask(slots=pool.shape[0], widen_pool=widen_pool)
     if plan.widen_pool:  # the bf16 rows' kernels over the pool widened once (every FP8 value widens exactly)
         pool = k_cache.dequant_k_cache(pool) if args.kv_kind == "packed" else pool.to(torch.bfloat16)
         q = q.to(torch.bfloat16)
+    elif plan.count_rows and not torch.cuda.is_current_stream_capturing():
+        flags, rows = _selected_rows(pool, idx)  # (one sync)
+        if ask(slots=rows.shape[0]).widen_pool:  # the selected rows alone, widened, and the selections remapped
+            plan, pool, idx = ask(widen_pool=True), _widen_rows(args, pool, rows), _remap(idx, flags)
+            q = q.to(torch.bfloat16)
     inputs = (q, idx) if topk_length is None else (q, idx, topk_length)
     main = plan.prefill_tokens
     if main:  # the prefill's tokens
@@ -297,6 +308,31 @@ def _attend(
             best = attn_max_logits(args, q[main:], kv, indices[main:], sm_scale, d_v, lengths)
             _rows(max_logits, main, t_count).copy_(best)
     return out, lse
+
+
+def _selected_rows(pool: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(flags [S] int32, rows [U] int32)``: 1 where some entry of ``idx [T, K]`` selects a row of ``pool``, and
+    the selected rows ascending (a host sync, for U)."""
+    flags = torch.zeros(pool.shape[0], dtype=torch.int32, device=pool.device)
+    kernel(RowsKey("mark"))(aligned(idx.reshape(-1)), flags)
+    return flags, torch.nonzero(flags).flatten().to(torch.int32)
+
+
+def _remap(idx: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
+    """``idx [T, K]`` as places among the selected rows ``flags`` marks (-1 where invalid)."""
+    out = torch.empty(idx.shape, dtype=torch.int32, device=idx.device)
+    pos = torch.cumsum(flags, 0, dtype=torch.int32)
+    kernel(RowsKey("remap"))(aligned(idx.reshape(-1)), pos, out.view(-1))
+    return out
+
+
+def _widen_rows(args: AttnArgs, pool: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``[U, d_qk]`` bf16: the pool's ``rows``, widened exactly."""
+    if args.kv_kind != "packed":
+        return pool[rows.long()].to(torch.bfloat16)
+    out = torch.empty(rows.shape[0], args.layout.d_qk, dtype=torch.bfloat16, device=pool.device)
+    kernel(k_cache.cache_keys("gather_dequant_k_cache", args.layout)[0])(pool, rows, out)
+    return out
 
 
 def _rows(x: torch.Tensor, first: int, end: int) -> torch.Tensor:
