@@ -445,6 +445,14 @@ def test_widen_pool_plan():
     )
     assert not plan_launch(geometry("bf16", 512, 64, 8), 4096, 2048, 132, True, slots=8192).widen_pool
     assert not plan_launch(ds8, 4096, 2048, 132, False, slots=8192).widen_pool
+    # a pool too large to widen whole counts the rows the call selects (eagerly), to widen those alone
+    serving = plan_launch(ds8, 4096, 2048, 132, True, slots=1 << 20)
+    assert serving.count_rows and not serving.widen_pool and serving.kernels == attn_kernels(ds8, True, 132)
+    assert not plan_launch(ds8, 4096, 2048, 132, True, slots=8192).count_rows  # (the whole pool is widened)
+    assert not plan_launch(ds8, WIDEN_MIN_TOKENS - 1, 2048, 132, True, slots=1 << 20).count_rows
+    assert not plan_launch(ds8, 4096, 2048, 132, False, slots=1 << 20).count_rows
+    assert not plan_launch(geometry("bf16", 512, 64, 8), 4096, 2048, 132, True, slots=1 << 20).count_rows
+    assert not plan_launch(ds8, 4096, 2048, 132, True, slots=1 << 20, widen_pool=False).count_rows
     # forced either way (the bench's and the tests' comparisons)
     assert not plan_launch(ds8, 4096, 2048, 132, True, slots=8192, widen_pool=False).widen_pool
     assert plan_launch(ds8, 256, 2048, 132, True, widen_pool=True).widen_pool

@@ -143,6 +143,21 @@ def test_quant_kernels_refuse_odd_tails(launches, op):
     assert not launches
 
 
+@pytest.mark.parametrize("kind", ["mark", "remap"])
+@pytest.mark.parametrize("target", ["cuda", "hip"])
+def test_row_map_sources(kind, target):
+    # the row maps of a serving pool's selected rows: one guarded pass over the ids, no read of the pool rows' table
+    # for an invalid id (mark: a store of 1 where selected; remap: the row's place, or -1)
+    from csrc_tl.attention.rows import RowsKey
+
+    body = kernel_body(source(RowsKey(kind), target))
+    assert re.search(r"0 <= ids\[", body) and re.search(r"ids\[[^;]*\] < s\b", body)
+    if kind == "mark":
+        assert re.search(r"flags\[[^;]*\] = 1;", body) and "pos" not in body
+    else:
+        assert "pos[ids[" in body and "- 1)" in body and "= -1;" in body
+
+
 @pytest.mark.parametrize(
     "name, kind, target",
     sweep(
