@@ -30,6 +30,7 @@ from csrc_tl.attention.launch import (
     TAIL_SPLIT_BLOCKS,
     TOPK_BLOCK,
     WIDEN_BYTES,
+    WIDEN_COUNT_TOKENS,
     WIDEN_MIN_TOKENS,
     WIDEN_REUSE,
     AttnKernels,
@@ -449,7 +450,7 @@ def test_widen_pool_plan():
     serving = plan_launch(ds8, 4096, 2048, 132, True, slots=1 << 20)
     assert serving.count_rows and not serving.widen_pool and serving.kernels == attn_kernels(ds8, True, 132)
     assert not plan_launch(ds8, 4096, 2048, 132, True, slots=8192).count_rows  # (the whole pool is widened)
-    assert not plan_launch(ds8, WIDEN_MIN_TOKENS - 1, 2048, 132, True, slots=1 << 20).count_rows
+    assert not plan_launch(ds8, WIDEN_COUNT_TOKENS - 1, 2048, 132, True, slots=1 << 20).count_rows
     assert not plan_launch(ds8, 4096, 2048, 132, False, slots=1 << 20).count_rows
     assert not plan_launch(geometry("bf16", 512, 64, 8), 4096, 2048, 132, True, slots=1 << 20).count_rows
     assert not plan_launch(ds8, 4096, 2048, 132, True, slots=1 << 20, widen_pool=False).count_rows

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import sparse_dsa_ops as dsa
+from csrc_tl.attention.launch import WIDEN_COUNT_TOKENS
 from sparse_dsa_ops import reference
 from sparse_dsa_ops._cuda.compile import sm_count
 from tests.test_cuda import attn_inputs, check_attn, check_sink_and_max, cuda, gen, kernel_kind, run_both
@@ -13,6 +14,7 @@ from tests.test_cuda import attn_inputs, check_attn, check_sink_and_max, cuda, g
 pytestmark = pytest.mark.cuda
 
 T_COUNT, TOPK = 1024, 128  # over attn_inputs' 4096 slots: 32 gathered rows per pool row: widened
+COUNT_TOKENS = WIDEN_COUNT_TOKENS  # where a call over a pool too large to widen counts the rows it selects
 # (geometry (d_v, d_rope, heads), kind, topk_length): both 512-wide rows at shard head counts, the 256-wide rows at 64
 # heads, native FP8 rows and a float8 q at 128 heads
 STAGED_CASES = [
@@ -89,10 +91,10 @@ def test_widened_pool_repeatable_and_replayed_on_new_data():
 
 
 def _serving_pool(kind, distinct, seed):
-    """Inputs of T_COUNT tokens whose selections touch ``distinct`` rows spread over a pool of 16 x 4096 rows (a
-    serving pool; the rows no token selects hold NaN bytes): ids outside the rows stay invalid."""
+    """Inputs of COUNT_TOKENS tokens (top-k 64) whose selections touch ``distinct`` rows spread over a pool of 16 x
+    4096 rows (a serving pool; the rows no token selects hold NaN bytes): ids outside the rows stay invalid."""
     geo = (512, 64, 8)
-    q, kv, idx, scale, d_v = attn_inputs(geo, kind, T_COUNT, TOPK, num_slots=distinct, seed=seed)
+    q, kv, idx, scale, d_v = attn_inputs(geo, kind, COUNT_TOKENS, 64, num_slots=distinct, seed=seed)
     slots = 16 * 4096
     place = torch.randperm(slots, generator=gen(seed + 1))[:distinct]
     raw = kv.view(torch.uint8)
@@ -107,10 +109,10 @@ def _serving_pool(kind, distinct, seed):
 @pytest.mark.parametrize("distinct", [4096, 16 * 4096], ids=["one-request", "whole-pool"])
 def test_widened_rows_of_a_serving_pool(kind, distinct):
     # a pool too large to widen whole: the call counts the rows it selects and widens them alone where they are few
-    # (4096 rows, selected 32 times each), else keeps the FP8 kernels; the same results either way
+    # (4096 rows, selected 64 times each), else keeps the FP8 kernels; the same results either way
     inputs = _serving_pool(kind, distinct, seed=distinct % 97)
     (kv_kind, q_fp8), sms = kernel_kind(kind), sm_count(torch.device("cuda"))
-    plan = dsa._cuda.plan_attn(kv_kind, 512, 64, 8, inputs[3], False, q_fp8, T_COUNT, TOPK, sms, slots=16 * 4096)
+    plan = dsa._cuda.plan_attn(kv_kind, 512, 64, 8, inputs[3], False, q_fp8, COUNT_TOKENS, 64, sms, slots=16 * 4096)
     assert plan.count_rows and not plan.widen_pool
     check_attn(*run_both(inputs))
 

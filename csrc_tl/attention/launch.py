@@ -26,6 +26,7 @@ __all__ = [
     "WIDEN_MIN_TOKENS",
     "WIDEN_REUSE",
     "WIDEN_BYTES",
+    "WIDEN_COUNT_TOKENS",
     "AttnKernels",
     "AttnLaunch",
     "attn_kernels",
@@ -57,17 +58,22 @@ TAIL_MIN_BLOCKS = 16
 TAIL_MIN_SPLITS = 3
 
 # A prefill over FP8 rows (packed or native) that gathers each pool row many times widens the whole pool to bf16 once
-# and runs the bf16 kernels over the copy (``AttnLaunch.widen_pool``): the in-kernel widening of every gathered row, not
-# the gather, bounds the FP8 kernels at every head count (BENCHMARKS.md), so widening each row once and gathering bf16
-# rows is faster where the pool is small beside what the call gathers. The plan widens the pool of a call of at least
-# WIDEN_MIN_TOKENS tokens that gathers WIDEN_REUSE pool rows or more per row of the pool (T * K >= WIDEN_REUSE * S: the
-# widening of S rows costs about what 16 gathered rows' in-kernel widening saves at 16 heads, H100) and whose bf16 copy
-# takes at most WIDEN_BYTES; smaller batches (decode steps, which gather few rows of a serving pool) and large pools
-# keep the FP8 kernels. H100, T 4096, S 8192, k 2048: DeepSeek packed at 8 heads 2130 -> 1415 us (kernel alone) and 128
-# heads 5392 -> 4071; T 256 over a pool of 65536 (T * K = 8 S) was slower so.
-WIDEN_MIN_TOKENS = 1024
+# and runs the bf16 kernels over the copy (``AttnLaunch.widen_pool``): the in-kernel widening of every gathered row,
+# not the gather, bounds the FP8 kernels at every head count (BENCHMARKS.md), so widening each row once and gathering
+# bf16 rows is faster where the pool is small beside what the call gathers. The plan widens the pool of a call of at
+# least WIDEN_MIN_TOKENS tokens that gathers WIDEN_REUSE pool rows or more per row of the pool (T * K >= WIDEN_REUSE *
+# S) and whose bf16 copy takes at most WIDEN_BYTES. H100, k 2048, DeepSeek packed rows, in the kernel -> widened:
+# T 4096 over 8192 rows at 8 heads 2079 -> 1422 us, at 64 heads 2831 -> 2090; T 512 over 8192 rows at 16 heads 289
+# -> 202; T 1024 over 65536 rows (T * K = 32 S) at 16 heads 596 -> 544; T 256 over 65536 rows (8 S) was slower
+# widened. Fewer tokens are decode batches, whose pool is a serving pool: they keep the FP8 kernels.
+WIDEN_MIN_TOKENS = 512
 WIDEN_REUSE = 16
 WIDEN_BYTES = 128 << 20
+# A larger pool (a serving pool) is not widened whole; from WIDEN_COUNT_TOKENS tokens (a prefill chunk) an eager call
+# counts the distinct rows it selects (a pass over the selections and a host sync: 215-310 us at T 4096 over a pool of
+# 1M rows, H100) and widens those alone where they pass the rule above (one request's 8192 rows at 8 heads: 2199 ->
+# 1775 us, at 64 heads 2816 -> 2543, counting included).
+WIDEN_COUNT_TOKENS = 4096
 
 
 @dataclass(frozen=True)
@@ -237,9 +243,9 @@ def plan_count_rows(geo: AttnGeometry, tokens: int, sm90: bool) -> bool:
     """Whether a call over FP8 rows whose whole pool is not widened (a serving pool, larger than the call gathers
     often or than :data:`WIDEN_BYTES`) counts the distinct rows it selects, eagerly (one sync), to widen those alone
     where :func:`plan_widen_pool` passes their count (a prefill chunk of one request selects rows of that request
-    only): on sm_90 CUDA from :data:`WIDEN_MIN_TOKENS` tokens. Inside a graph capture the call keeps the FP8
+    only): on sm_90 CUDA from :data:`WIDEN_COUNT_TOKENS` tokens. Inside a graph capture the call keeps the FP8
     kernels."""
-    return sm90 and geo.kv_kind != "bf16" and tokens >= WIDEN_MIN_TOKENS
+    return sm90 and geo.kv_kind != "bf16" and tokens >= WIDEN_COUNT_TOKENS
 
 
 def plan_splits(tokens: int, heads: int, topk: int, sm_count: int, min_blocks: int = 1) -> int:
