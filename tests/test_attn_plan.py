@@ -426,9 +426,11 @@ def test_widen_pool_plan():
     assert launch.widen_pool and launch.kernels == attn_kernels(widened_geometry(ds8), True, 132)
     assert launch.kernels.prefill.geo == geometry("bf16", 512, 64, 8) and launch.kernels.prefill.transposed
     assert str(launch) == "pool to bf16 + attn_prefill_ws"
-    # native FP8 rows and a float8 q: the bf16 kernels take q widened
-    fp8 = plan_launch(geometry("fp8", 512, 64, 128, q_fp8=True), 4096, 2048, 132, True, slots=8192)
-    assert fp8.widen_pool and fp8.kernels.prefill.geo == geometry("bf16", 512, 64, 128)
+    # native FP8 rows and a float8 q: the bf16 kernels take q widened, where its bf16 copy fits beside the pool's
+    fp8 = plan_launch(geometry("fp8", 512, 64, 8, q_fp8=True), 4096, 2048, 132, True, slots=8192)
+    assert fp8.widen_pool and fp8.kernels.prefill.geo == geometry("bf16", 512, 64, 8)
+    assert not plan_launch(geometry("fp8", 512, 64, 128, q_fp8=True), 4096, 2048, 132, True, slots=8192).widen_pool
+    assert plan_launch(geometry("fp8", 512, 64, 128), 4096, 2048, 132, True, slots=8192).widen_pool  # a bf16 q
     # GLM's persistent packed prefill over its pool widened: the bf16 prefill, no tail split off
     assert plan_launch(GLM_PACKED, 4096, 2048, 132, True, slots=8192) == dataclasses.replace(
         plan_launch(widened_geometry(GLM_PACKED), 4096, 2048, 132, True), widen_pool=True
@@ -469,7 +471,7 @@ def test_widen_pool_keys_cover_the_plan(monkeypatch):
     monkeypatch.setattr(_cuda.attention, "is_hopper", lambda: True)  # warmup's keys are this machine's: an H200
 
     for kind, q_fp8 in (("packed", False), ("fp8", True)):
-        for heads in (8, 64):
+        for heads in (8, 64) if kind == "packed" else (8, 16):  # (a float8 q's bf16 copy fits at 16 heads)
             scale = 576**-0.5
             plan = _cuda.plan_attn(
                 kind, 512, 64, heads, scale, True, q_fp8, 4100, 2048, DEFAULT_CTAS, "cuda", slots=8192

@@ -201,7 +201,9 @@ def test_bench_cases_name_their_kernels(h200):
     assert cases["prefill deepseek bf16 T4096 S8192 H128 k2048"]["path"] == "attn_prefill_ws"
     # FP8 pools that a prefill gathers many times: widened to bf16 first, then the bf16 rows' kernels
     assert cases["prefill 256+0 packed T4096 S8192 H64 k2048"]["path"] == "pool to bf16 + attn_prefill_ws"
-    assert cases["prefill deepseek fp8 T4096 S8192 H128 k2048"]["path"] == "pool to bf16 + attn_prefill_ws"
+    assert cases["tp prefill deepseek fp8 T4096 S8192 H8 k2048"]["path"] == "pool to bf16 + attn_prefill_ws"
+    # (not where a float8 q's bf16 copy would pass WIDEN_BYTES: 604 MB at 128 heads)
+    assert cases["prefill deepseek fp8 T4096 S8192 H128 k2048"]["path"] == "attn_prefill_ws"
     in_kernel = cases["tp prefill deepseek packed T1024 S65536 H16 k2048 in-kernel"]
     assert in_kernel["path"] == "attn_prefill_ws" and all(k.geo.kv_kind == "packed" for k in in_kernel["keys"])
     assert cases["decode 256+0 packed T17 S65536 H8 k2112"]["path"] == "attn_decode_ws x7 + combine"

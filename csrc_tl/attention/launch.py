@@ -232,11 +232,13 @@ def widened_geometry(geo: AttnGeometry) -> AttnGeometry:
 def plan_widen_pool(geo: AttnGeometry, tokens: int, topk: int, slots: int, sm90: bool) -> bool:
     """Whether a call over a pool of ``slots`` FP8 rows (packed or native) widens the pool to bf16 first and runs the
     bf16 kernels (see :data:`WIDEN_REUSE`): on sm_90 CUDA, from :data:`WIDEN_MIN_TOKENS` tokens, where the call
-    gathers at least ``WIDEN_REUSE`` rows per pool row and the bf16 pool takes at most :data:`WIDEN_BYTES`. GLM-5 at
-    8 heads, T 4096, K 2048 over 8192 slots: widened; T 256 over 65536 slots: not."""
+    gathers at least ``WIDEN_REUSE`` rows per pool row and the bf16 copies (the pool's, and a float8 q's) take at most
+    :data:`WIDEN_BYTES`. GLM-5 at 8 heads, T 4096, K 2048 over 8192 slots: widened; T 256 over 65536 slots: not;
+    DeepSeek's float8 q at 128 heads, T 4096: not (its bf16 copy would take 604 MB)."""
     if not sm90 or geo.kv_kind == "bf16" or tokens < WIDEN_MIN_TOKENS or slots <= 0:
         return False
-    return tokens * topk >= WIDEN_REUSE * slots and slots * geo.d_qk * 2 <= WIDEN_BYTES
+    copies = (slots + (tokens * geo.heads if geo.q_fp8 else 0)) * geo.d_qk * 2
+    return tokens * topk >= WIDEN_REUSE * slots and copies <= WIDEN_BYTES
 
 
 def plan_count_rows(geo: AttnGeometry, tokens: int, sm90: bool) -> bool:
