@@ -600,3 +600,43 @@ def test_plan_row_and_consumer_schemes(kind, d_v, d_rope, heads, options, rows, 
     assert rows in ROW_SCHEMES and consumers in CONSUMER_SCHEMES
     assert plan.staged == (rows in ("staged", "bulk")) and plan.inplace == (rows in ("inplace", "direct"))
     assert plan.paired == (consumers in ("paired", "halves")) and plan.transposed == (consumers == "transposed")
+
+
+def test_widened_rows_host_side_on_the_cpu(monkeypatch):
+    # the host side of widening a serving pool's selected rows (mark, count, widen, remap), its kernels replaced by
+    # torch ones that keep their contracts: each valid selection, remapped, reads its own row widened; invalid ones
+    # (sentinels, past the pool) stay invalid; the rows are the distinct valid ids, ascending
+    import torch
+
+    from csrc_tl.attention.rows import RowsKey
+    from sparse_dsa_ops import reference
+    from sparse_dsa_ops._cuda import attention
+    from sparse_dsa_ops.ops import OPS
+
+    def kernel(key):
+        if isinstance(key, RowsKey) and key.kind == "mark":
+            return lambda ids, flags: flags.index_fill_(0, ids[(ids >= 0) & (ids < flags.numel())].long(), 1)
+
+        def remap(ids, pos, out):
+            valid = (ids >= 0) & (ids < pos.numel())
+            out.copy_(torch.where(valid, pos[ids.clamp(0, pos.numel() - 1).long()] - 1, -1))
+
+        def widen(pool, rows, out):
+            out.copy_(reference.gather_dequant_k_cache(pool, rows))
+
+        return remap if isinstance(key, RowsKey) else widen
+
+    monkeypatch.setattr(attention, "kernel", kernel)
+    g = torch.Generator().manual_seed(3)
+    slots, t_count, topk = 300, 5, 64
+    pool = reference.quant_k_cache(torch.randn(slots, 512, generator=g).bfloat16(), torch.randn(slots, 64).bfloat16())
+    idx = torch.randint(-4, slots + 4, (t_count, topk), generator=g, dtype=torch.int32)
+    idx[0, :3] = torch.tensor([-(2**31), 2**31 - 1, slots], dtype=torch.int32)
+    idx[1] = 7  # one row, selected again and again
+    args = OPS["sparse_attn"].check(torch.zeros(t_count, 8, 576).bfloat16(), pool, idx, 0.1, 512)
+    flags, rows = attention._selected_rows(pool, idx)
+    valid = (idx >= 0) & (idx < slots)
+    assert torch.equal(rows, idx[valid].unique().to(torch.int32))
+    widened, remapped = attention._widen_rows(args, pool, rows), attention._remap(idx, flags)
+    assert torch.equal(remapped < 0, ~valid) and torch.equal(remapped[~valid], torch.full_like(remapped[~valid], -1))
+    assert torch.equal(widened[remapped[valid].long()], reference.dequant_k_cache(pool[idx[valid].long()]))

@@ -173,9 +173,8 @@ def _named_by_path(case: dict) -> bool:
     if len(keys) > 1 and isinstance(keys[-1], kpool.KpoolExpandKey):  # the pool selection: top-k + the expansion
         head, _, expansion = path.rpartition(" + ")
         return expansion == keys[-1].name and _named_by_path(dict(case, keys=keys[:-1], path=head))
-    if path.startswith(
-        "pool to bf16 + "
-    ):  # an attention call over its pool widened: a packed pool's widening kernel last
+    # an attention call over its pool widened: a packed pool's widening kernel last
+    if path.startswith("pool to bf16 + "):
         attn = [k for k in keys if isinstance(k, (AttnKey, CombineKey))]
         widen = keys[len(attn) :]
         if not all(isinstance(k, k_cache.CacheKey) and k.kind == "dequant" for k in widen):

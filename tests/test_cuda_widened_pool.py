@@ -107,14 +107,18 @@ def _serving_pool(kind, distinct, seed):
 
 @pytest.mark.parametrize("kind", ["packed", "fp8"])
 @pytest.mark.parametrize("distinct", [4096, 16 * 4096], ids=["one-request", "whole-pool"])
-def test_widened_rows_of_a_serving_pool(kind, distinct):
+def test_widened_rows_of_a_serving_pool(kind, distinct, monkeypatch):
     # a pool too large to widen whole: the call counts the rows it selects and widens them alone where they are few
     # (4096 rows, selected 64 times each), else keeps the FP8 kernels; the same results either way
     inputs = _serving_pool(kind, distinct, seed=distinct % 97)
     (kv_kind, q_fp8), sms = kernel_kind(kind), sm_count(torch.device("cuda"))
     plan = dsa._cuda.plan_attn(kv_kind, 512, 64, 8, inputs[3], False, q_fp8, COUNT_TOKENS, 64, sms, slots=16 * 4096)
     assert plan.count_rows and not plan.widen_pool
+    widened = []
+    widen_rows = dsa._cuda.attention._widen_rows
+    monkeypatch.setattr(dsa._cuda.attention, "_widen_rows", lambda *a: widened.append(a[2].numel()) or widen_rows(*a))
     check_attn(*run_both(inputs))
+    assert widened == ([distinct] if distinct == 4096 else []), widened  # (every one of the rows is selected)
 
 
 def test_widened_rows_not_counted_in_a_capture():
