@@ -16,6 +16,10 @@ MIN_HEAD_BLOCK = 16  # smallest M tile of the tensor-core GEMMs
 # dimension of their GEMMs (scores transposed, keys as M), where wgmma takes any multiple of 8. Where the launch plan
 # uses them is narrower (TRANSPOSED_PLAN_HEADS in .plan: the measured crossover)
 TRANSPOSED_MAX_HEADS = 32
+# Head counts whose tokens a grouped head block can hold (AttnGeometry.group): 64 rows of 8, 4 or 2 tokens (at most 8
+# tokens: one bit each in the high byte of an entry of their union)
+GROUP_HEADS = (8, 16, 32)
+GROUP_ROW_BITS = 24  # bits of the row in an entry of a union (pools of at most 2^24 rows)
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,10 @@ class AttnGeometry:
     has_topk_length: bool
     sm_scale: float
     q_fp8: bool = False  # q is float8_e4m3fn (allowed with fp8 or packed kv) instead of bf16
+    # Heads of one token where a 64-row head block holds the heads of several tokens (0: a block holds one token's):
+    # the kernel of GROUP_HEADS heads a token walks the union of MAX_HEAD_BLOCK // group tokens' selections, each entry
+    # the row in its low 24 bits and in its high 8 the tokens that select it (see csrc_tl.attention.union)
+    group: int = 0
 
     @property
     def d_qk(self) -> int:
@@ -52,6 +60,7 @@ class AttnGeometry:
 
     def __str__(self) -> str:
         tail = ("_len" if self.has_topk_length else "") + ("_qfp8" if self.q_fp8 else "")
+        tail += f"_g{self.group}" if self.group else ""
         return f"{self.kv_kind}_{self.d_v}p{self.d_rope}_h{self.heads}{tail}"
 
     def check(self):
@@ -60,6 +69,16 @@ class AttnGeometry:
         assert 1 <= self.heads <= 128, "heads must be in 1..128"
         assert self.d_v % 64 == 0, "d_v must be a multiple of 64 (GEMM N/K tiles)"
         assert self.d_rope % 16 == 0, "d_rope must be a multiple of 16 (GEMM K tile)"
+        if self.group:
+            assert self.group in GROUP_HEADS and self.heads == MAX_HEAD_BLOCK, "a grouped block: 64 rows of 8-32 heads"
+            assert self.kv_kind == "bf16" and self.has_topk_length, (
+                "a grouped block walks bf16 rows to its union's length"
+            )
+
+    @property
+    def group_tokens(self) -> int:
+        """Tokens of a grouped head block (1 where a block holds one token's heads)."""
+        return MAX_HEAD_BLOCK // self.group if self.group else 1
 
 
 # Default tile parameters, by path; (block_i, threads, num_stages).

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from .geometry import DEFAULT_TILES, AttnGeometry
 from .rows import RowsKey, build_rows
+from .union import UnionKey, build_union
 
 SCHEMES = ("prefill", "decode", "prefill_ws", "decode_ws")  # portable and warp-specialized, prefill and split
 
@@ -79,10 +80,12 @@ class CombineKey:
         return self.name
 
 
-def build(key: "AttnKey | CombineKey | RowsKey"):
+def build(key: "AttnKey | CombineKey | RowsKey | UnionKey"):
     """The TileLang program of ``key``."""
     if isinstance(key, RowsKey):
         return build_rows(key)
+    if isinstance(key, UnionKey):
+        return build_union(key)
     if isinstance(key, CombineKey):
         from .combine import build_combine
 
@@ -103,7 +106,7 @@ def build(key: "AttnKey | CombineKey | RowsKey"):
     return build_attn(key.geo, split=key.split, sink_max=key.sink_max, **tiles)
 
 
-def pass_configs(key: "AttnKey | CombineKey | RowsKey") -> dict:
+def pass_configs(key: "AttnKey | CombineKey | RowsKey | UnionKey") -> dict:
     """TileLang pass configs of ``key``'s kernel."""
     if isinstance(key, AttnKey) and key.warp_specialized:
         from .plan import WS_PASS_CONFIGS

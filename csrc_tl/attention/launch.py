@@ -14,9 +14,18 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from .geometry import DEFAULT_TILES, TRANSPOSED_MAX_HEADS, AttnGeometry, head_block, partial_heads
+from .geometry import (
+    DEFAULT_TILES,
+    GROUP_HEADS,
+    MAX_HEAD_BLOCK,
+    TRANSPOSED_MAX_HEADS,
+    AttnGeometry,
+    head_block,
+    partial_heads,
+)
 from .keys import AttnKey, CombineKey
 from .plan import DEFAULT_CTAS, ws_persistent, ws_supported, ws_transposed
+from .union import UNION_TABLES, UnionKey, union_table
 
 __all__ = [
     "TOPK_BLOCK",
@@ -27,6 +36,8 @@ __all__ = [
     "WIDEN_REUSE",
     "WIDEN_BYTES",
     "WIDEN_COUNT_TOKENS",
+    "GROUP_MIN_TOKENS",
+    "GROUP_MAX_UNION",
     "AttnKernels",
     "AttnLaunch",
     "attn_kernels",
@@ -35,7 +46,10 @@ __all__ = [
     "plan_tail",
     "plan_widen_pool",
     "plan_count_rows",
+    "plan_group",
+    "union_share",
     "widened_geometry",
+    "grouped_geometry",
 ]
 
 # Top-k rows of a block of either split kernel (the portable kernel's decode tile; the warp-specialized split kernel
@@ -75,6 +89,17 @@ WIDEN_BYTES = 128 << 20
 # 1775 us, at 64 heads 2816 -> 2543, counting included).
 WIDEN_COUNT_TOKENS = 4096
 
+# A prefill over bf16 rows (or its pool widened) at 8 or 16 heads (GROUP_HEADS) runs grouped head blocks: the 64 rows of
+# a block hold the heads of 64 / H consecutive tokens, which walk the union of their selections, each row gathered once
+# for all of them (AttnGeometry.group). At few heads the per-token kernels are bound by the gather of each token's
+# rows, not by the tensor cores, so a block of several tokens trades the gathers their selections share for the
+# scores of rows only some of them select (masked). It pays where the union is small beside the selections: the plan
+# groups a call of at least GROUP_MIN_TOKENS tokens whose union, were the selections uniform over the pool
+# (union_share), would be at most GROUP_MAX_UNION of the selections; a causal prompt's tokens share more than that
+# (each early token selects its whole prefix).
+GROUP_MIN_TOKENS = 512
+GROUP_MAX_UNION = 0.7
+
 
 @dataclass(frozen=True)
 class AttnKernels:
@@ -112,15 +137,28 @@ class AttnLaunch:
     splits: int = 1  # parts of each split-path token's top-k range; 1 where no token takes the split path
     widen_pool: bool = False  # the pool is widened to bf16 first and ``kernels`` are the bf16 rows' (plan_widen_pool)
     count_rows: bool = False  # eagerly, count the rows the call selects: widened alone where they pass plan_widen_pool
+    union: UnionKey | None = None  # grouped head blocks (plan_group): the kernel that makes each group's union first
+    rest: "AttnLaunch | None" = None  # grouped: the launch of the last tokens, fewer than a group
 
     def __post_init__(self):
         assert 0 <= self.prefill_tokens <= self.tokens, "the prefill takes some of the call's tokens"
-        assert (self.splits > 1) == (self.prefill_tokens < self.tokens), "the split path runs where tokens remain"
+        assert (self.splits > 1) == (self.split_tokens > 0), "the split path runs where tokens remain"
+        assert not self.union or self.prefill_tokens % self.group == 0, "grouped blocks take whole groups"
+        assert self.rest is None or self.rest.tokens == self.tokens - self.prefill_tokens, "the rest: the last tokens"
+
+    @property
+    def group(self) -> int:
+        """Tokens of a grouped head block (1: a block holds one token's heads)."""
+        return self.union.tokens if self.union else 1
+
+    @property
+    def rest_tokens(self) -> int:
+        return self.rest.tokens if self.rest else 0
 
     @property
     def split_tokens(self) -> int:
-        """The last tokens, which take the split path (0 where the prefill takes them all)."""
-        return self.tokens - self.prefill_tokens
+        """The last tokens, which take the split path (0 where the prefill, and a grouped launch's rest, take them)."""
+        return self.tokens - self.prefill_tokens - self.rest_tokens
 
     @property
     def prefill(self) -> AttnKey | None:
@@ -139,13 +177,17 @@ class AttnLaunch:
     @property
     def keys(self) -> tuple:
         """Every kernel the call launches, in order."""
-        return ((self.prefill,) if self.prefill else ()) + self.split
+        union = (self.union,) if self.union and self.prefill else ()
+        return union + ((self.prefill,) if self.prefill else ()) + self.split + (self.rest.keys if self.rest else ())
 
     def __str__(self) -> str:
         split = f"{self.kernels.split.family} x{self.splits} + combine" if self.split else ""
         if not self.prefill:
             return split
         widen_pool = "pool to bf16 + " if self.widen_pool else ""
+        if self.union:
+            rest = f" + {self.rest} (last {self.rest_tokens} tokens)" if self.rest else ""
+            return f"{widen_pool}union of {self.group} tokens + {self.prefill.family} (grouped){rest}"
         if not self.split:
             return widen_pool + self.prefill.family
         return f"{widen_pool}{self.prefill.family} + {split} (last {self.split_tokens} tokens)"
@@ -192,6 +234,7 @@ def plan_launch(
     max_logits: bool = False,
     slots: int | None = None,
     widen_pool: bool | None = None,
+    group: bool | None = None,
 ) -> AttnLaunch:
     """The launch of one call over ``tokens`` tokens (T >= 1) of top-k width ``topk`` (K, a multiple of
     :data:`TOPK_BLOCK`) on a GPU of ``sm_count`` SMs, on sm_90 CUDA where ``sm90``, with the kernels of
@@ -202,17 +245,26 @@ def plan_launch(
     in 16 splits; a decode T 1 at 64 heads: 32 splits of one top-k block each. Over a pool of ``slots`` rows (S;
     None: unknown, never widened) of FP8 rows, :func:`plan_widen_pool` decides whether the pool is widened to bf16
     first, and the call then runs the kernels of :func:`widened_geometry`; ``widen_pool`` forces either (the bench's
-    and the tests' same-run comparison; True needs FP8 rows on sm_90)."""
+    and the tests' same-run comparison; True needs FP8 rows on sm_90). Over bf16 rows (or the pool widened),
+    :func:`plan_group` decides whether head blocks hold several tokens (the union kernel, then the prefill kernel of
+    :func:`grouped_geometry` over whole groups, the last tokens in ``rest``); ``group`` forces either (True: where the
+    heads allow), and a forced ``transposed`` keeps one token a block."""
     assert tokens >= 1, "a call of no tokens launches nothing"
+    common = dict(transposed=transposed, sink=sink, max_logits=max_logits, slots=slots, group=group)
     if widen_pool is None:
         widen_pool = slots is not None and plan_widen_pool(geo, tokens, topk, slots, sm90)
         count = slots is not None and not widen_pool and plan_count_rows(geo, tokens, sm90)
-        launch = plan_launch(geo, tokens, topk, sm_count, sm90, transposed, sink, max_logits, widen_pool=widen_pool)
+        launch = plan_launch(geo, tokens, topk, sm_count, sm90, widen_pool=widen_pool, **common)
         return dataclasses.replace(launch, count_rows=count) if count else launch
     if widen_pool:
         assert sm90 and geo.kv_kind != "bf16", "widening the pool takes FP8 rows and the sm_90 bf16 kernels"
-        bf16 = plan_launch(widened_geometry(geo), tokens, topk, sm_count, sm90, transposed, sink, max_logits)
+        bf16 = plan_launch(widened_geometry(geo), tokens, topk, sm_count, sm90, widen_pool=False, **common)
         return dataclasses.replace(bf16, widen_pool=True)
+    if group is None:
+        group = transposed is None and slots is not None and plan_group(geo, tokens, topk, slots, sm90) > 1
+    fits = slots is not None and union_table(slots) is not None and tokens >= MAX_HEAD_BLOCK // geo.heads
+    if group and fits and sm90 and geo.kv_kind == "bf16" and geo.heads in GROUP_HEADS and ws_supported(geo):
+        return _grouped_launch(geo, tokens, topk, sm_count, sink, max_logits, union_table(slots))
     kernels = attn_kernels(geo, sm90, sm_count, transposed, sink, max_logits)
     splits = plan_splits(tokens, geo.heads, topk, sm_count)
     if splits > 1:
@@ -221,6 +273,48 @@ def plan_launch(
         prefill_tokens, splits = plan_tail(tokens, geo.heads, topk, kernels.ctas, sm_count)
         return AttnLaunch(kernels, tokens, prefill_tokens, splits)
     return AttnLaunch(kernels, tokens, tokens)
+
+
+def _grouped_launch(geo, tokens, topk, sm_count, sink, max_logits, table) -> AttnLaunch:
+    """The grouped launch of :func:`plan_launch` (its arguments; ``table`` the union kernel's, at least the pool)."""
+    assert table is not None, f"grouped blocks take pools of at most {UNION_TABLES[-1]} rows"
+    grouped = grouped_geometry(geo)
+    per = grouped.group_tokens
+    kernels = attn_kernels(grouped, True, sm_count, False, sink, max_logits)
+    main = tokens // per * per
+    rest = None
+    if main < tokens:
+        rest = plan_launch(geo, tokens - main, topk, sm_count, True, sink=sink, max_logits=max_logits, group=False)
+    union = UnionKey(per, table, geo.has_topk_length)
+    return AttnLaunch(kernels, tokens, main, union=union, rest=rest)
+
+
+def grouped_geometry(geo: AttnGeometry) -> AttnGeometry:
+    """The kernels' geometry of a grouped call over ``geo``'s bf16 rows: 64-row head blocks of ``64 / geo.heads`` tokens
+    each, walking their union to its length (:mod:`csrc_tl.attention.union`)."""
+    return dataclasses.replace(geo, heads=MAX_HEAD_BLOCK, group=geo.heads, has_topk_length=True)
+
+
+def union_share(tokens: int, topk: int, slots: int) -> float:
+    """The expected size of the union of ``tokens`` selections of ``topk`` distinct rows each, drawn uniformly from
+    ``slots`` rows, over their total size: ``S (1 - (1 - K / S)^G) / (G K)``."""
+    if slots <= topk:
+        return slots / (tokens * topk)
+    return slots * (1 - (1 - topk / slots) ** tokens) / (tokens * topk)
+
+
+def plan_group(geo: AttnGeometry, tokens: int, topk: int, slots: int, sm90: bool) -> int:
+    """Tokens a head block holds in a call over a pool of ``slots`` bf16 rows (see :data:`GROUP_MAX_UNION`): ``64 /
+    heads`` on sm_90 CUDA at :data:`~csrc_tl.attention.geometry.GROUP_HEADS` heads (the warp-specialized kernels),
+    from :data:`GROUP_MIN_TOKENS` tokens, over a pool the union kernel's table holds, where :func:`union_share`
+    is at most :data:`GROUP_MAX_UNION`; else 1. GLM-5 at 8 heads, T 4096, K 2048 over 8192 rows: 8 tokens (a union of
+    45% of the selections); over 65536 rows: 1 (90%)."""
+    if not sm90 or geo.kv_kind != "bf16" or geo.heads not in GROUP_HEADS or not ws_supported(geo):
+        return 1
+    per = MAX_HEAD_BLOCK // geo.heads
+    if tokens < GROUP_MIN_TOKENS or union_table(slots) is None or topk <= 0:
+        return 1
+    return per if union_share(per, topk, slots) <= GROUP_MAX_UNION else 1
 
 
 def widened_geometry(geo: AttnGeometry) -> AttnGeometry:

@@ -460,6 +460,7 @@ def ws_plan(
     assert not (bulk and persist) or subs % 2 == 0, "persistent bulk copies need stages of an even number of raw blocks"
     rows = "async" if copies_async else ("bulk" if bulk else "staged") if staged else "direct" if direct else "inplace"
     consumers = "transposed" if transposed else ("halves" if halves else "paired") if paired else "single"
+    assert not geo.group or paired, "a grouped head block runs the paired consumers (bf16 rows, a prefill)"
     return WsPlan(
         geo=geo,
         split=split,

@@ -25,6 +25,15 @@ from .plan import WS_COL_BARRIER, WS_CONSUMER_BARRIER, WS_STORE_BARRIERS, WsPlan
 COL_MAX, COL_SUM = 8, 9
 
 
+def selects(flag, h, group: int):
+    """Whether the entry of a stage row whose flag is ``flag`` (0 for an invalid entry) counts for row ``h`` of the
+    head block: any valid entry, or in a grouped block (``group`` heads a token) an entry whose flag has the bit of
+    the token of row ``h``."""
+    if group:
+        return T.bitwise_and(T.shift_right(flag, h // group), 1) != 0
+    return flag != 0
+
+
 def _score_macros(plan: WsPlan) -> SimpleNamespace:
     """The score GEMMs of a stage (whole or by halves) and the staging of q."""
     geo, block_i, half, hb, copies_async = plan.geo, plan.block_i, plan.half, plan.hb, plan.copies_async
@@ -38,7 +47,7 @@ def _score_macros(plan: WsPlan) -> SimpleNamespace:
         if copies_async:
             T.fence_proxy_async()  # cp.async wrote the stage; wgmma reads it through the async proxy
         for h, j in T.Parallel(hb, block_i):
-            acc_s[h, j] = T.if_then_else(ok_s[j] != 0, 0, -T.infinity(acc))
+            acc_s[h, j] = T.if_then_else(selects(ok_s[j], h, plan.geo.group), 0, -T.infinity(acc))
         T.wgmma_gemm(q_l, k_l, acc_s, transpose_B=True)
         T.wgmma_gemm(q_r, k_r, acc_s, transpose_B=True)
         if d_tail:
@@ -128,7 +137,9 @@ def _consume0_paired(plan: WsPlan, items: SimpleNamespace, scores: SimpleNamespa
             phase = pair & 1
             if halves:
                 for h, j in T.Parallel(hb, block_i):
-                    c.acc_s[h, j] = T.if_then_else(c.ok0[j] != 0, c.acc_s[h, j], -T.infinity(acc))
+                    c.acc_s[h, j] = T.if_then_else(
+                        selects(c.ok0[j], h, plan.geo.group), c.acc_s[h, j], -T.infinity(acc)
+                    )
             else:
                 T.barrier_wait(c.ready0, phase)
                 score(c.q_l, c.q_r, c.qt_s, c.kv_l0, c.kv_r0, c.kt_s0, c.ok0, c.acc_s)
@@ -396,7 +407,9 @@ def _consume1_paired(plan: WsPlan, items: SimpleNamespace, scores: SimpleNamespa
                 score_half(c.ready_l1, phase, c.q_l, c.kv_l1, c.acc_s_r, False)
                 T.wait_wgmma(0)
                 for h, j in T.Parallel(hb, block_i):
-                    c.acc_s_r[h, j] = T.if_then_else(c.ok1[j] != 0, c.acc_s_r[h, j], -T.infinity(acc))
+                    c.acc_s_r[h, j] = T.if_then_else(
+                        selects(c.ok1[j], h, plan.geo.group), c.acc_s_r[h, j], -T.infinity(acc)
+                    )
             else:
                 T.barrier_wait(c.ready1, phase)
                 score(c.q_l, c.q_r, c.qt_s, c.kv_l1, c.kv_r1, c.kt_s1, c.ok1, c.acc_s_r)

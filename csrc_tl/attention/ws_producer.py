@@ -8,7 +8,11 @@ from types import SimpleNamespace
 import tilelang.language as T
 
 from ..layout import QUANT_TILE
+from .geometry import GROUP_ROW_BITS as ROW_BITS
 from .plan import WS_INPLACE_AHEAD, WS_THREADS_PER_ROW, WsPlan, ws_inplace_raw_col, ws_row_lane
+
+ROW_MASK = (1 << ROW_BITS) - 1  # the row of a grouped block's entry
+TOKEN_MASK = 0xFF  # ... and the bits of its tokens, above it
 
 
 def _lane_macros(plan: WsPlan, dims) -> SimpleNamespace:
@@ -16,7 +20,7 @@ def _lane_macros(plan: WsPlan, dims) -> SimpleNamespace:
     and widening calls."""
     half, packed, row_w, vec, chunks = plan.half, plan.packed, plan.row_w, plan.vec, plan.chunks
     quarters, persist, rows_per_pass, block_p = plan.quarters, plan.persist, plan.rows_per_pass, plan.block_p
-    passes = plan.passes
+    passes, group = plan.passes, plan.geo.group
     dtype = T.bfloat16
     _, s_count, k_count, _ = dims
 
@@ -36,8 +40,20 @@ def _lane_macros(plan: WsPlan, dims) -> SimpleNamespace:
 
     def entry_ok(blk, j, stop, raw):
         """Whether entry ``j`` of producer block ``blk`` (``block_p`` rows), raw index ``raw``, is valid:
-        before ``stop`` and a row of the pool."""
+        before ``stop`` and a row of the pool (in a grouped block, an entry of the union: its row in the low 24 bits,
+        some token's bit in the high 8)."""
+        if group:
+            return (blk * block_p + j < stop) & (entry_tokens(raw) != 0) & (entry_row(raw) < s_count)
         return (blk * block_p + j < stop) & (raw >= 0) & (raw < s_count)
+
+    def entry_row(raw):
+        """The pool row of raw index ``raw`` (of a valid entry)."""
+        return T.bitwise_and(raw, ROW_MASK) if group else raw
+
+    def entry_tokens(raw):
+        """The flag a valid entry ``raw`` leaves for the consumers: 1, or in a grouped block the bits of the tokens
+        that select its row."""
+        return T.bitwise_and(T.shift_right(raw, ROW_BITS), TOKEN_MASK) if group else 1
 
     @T.macro
     def load_index(indices, t, blk, slot, base=256, mine=None):
@@ -110,6 +126,8 @@ def _lane_macros(plan: WsPlan, dims) -> SimpleNamespace:
         plane=plane,
         row_views=row_views,
         entry_ok=entry_ok,
+        entry_row=entry_row,
+        entry_tokens=entry_tokens,
         load_index=load_index,
         cp_async=cp_async,
         widen=widen,
@@ -123,7 +141,7 @@ def _bf16_macros(plan: WsPlan, lanes: SimpleNamespace) -> SimpleNamespace:
     tail_chunks, rows_per_pass, passes = plan.tail_chunks, plan.rows_per_pass, plan.passes
     d_v, d_tail = geo.d_v, geo.d_rope
     prow, plane, entry_ok, load_index = lanes.prow, lanes.plane, lanes.entry_ok, lanes.load_index
-    cp_async = lanes.cp_async
+    cp_async, entry_row, entry_tokens = lanes.cp_async, lanes.entry_row, lanes.entry_tokens
 
     @T.macro
     def produce(kv, indices, t, blk, stop, nxt, slot, dst_l, dst_r, dst_t, ok_s, ready, free, phase):
@@ -138,8 +156,8 @@ def _bf16_macros(plan: WsPlan, lanes: SimpleNamespace) -> SimpleNamespace:
         for p in T.unroll(passes):
             j = p * rows_per_pass + prow(tx)
             ok = entry_ok(blk, j, stop, nxt[p])
-            slot[p] = T.if_then_else(ok, nxt[p], -1)
-            ok_s[j] = T.if_then_else(ok, 1, 0)
+            slot[p] = T.if_then_else(ok, entry_row(nxt[p]), -1)
+            ok_s[j] = T.if_then_else(ok, entry_tokens(nxt[p]), 0)
         load_index(indices, t, blk + 1, nxt)
         for p in T.unroll(passes):
             j = p * rows_per_pass + prow(tx)
@@ -182,9 +200,11 @@ def _bf16_macros(plan: WsPlan, lanes: SimpleNamespace) -> SimpleNamespace:
         for p in T.unroll(passes):
             j = p * rows_per_pass + prow(tx)
             ok = entry_ok(blk, j, stop, raw[p])
-            row = T.if_then_else(ok, raw[p], 0)
+            row = T.if_then_else(ok, entry_row(raw[p]), 0)
             if ok_s is not None:
-                T.call_extern("handle", "dsa_put_flag", T.address_of(ok_s[j]), T.if_then_else(ok, 1, 0))
+                T.call_extern(
+                    "handle", "dsa_put_flag", T.address_of(ok_s[j]), T.if_then_else(ok, entry_tokens(raw[p]), 0)
+                )
             for c in T.unroll(chunks // 2):
                 col = (c * WS_THREADS_PER_ROW + lane) * vec
                 cp_async(dst[j, col], kv[row, base + col], 16, ok)

@@ -6,7 +6,7 @@ implementation of each of its ops under the op's name (``register_backend`` find
 from importlib import import_module
 
 from ..ops import FAMILY_NAMES
-from .attention import attn_keys, plan_attn, plan_splits, plan_tail, widen_pool_keys
+from .attention import attn_keys, group_keys, plan_attn, plan_splits, plan_tail, widen_pool_keys
 from .compile import TARGETS, kernel, lower_source, pass_configs, program, warmup
 from .k_cache import cache_keys
 
@@ -24,6 +24,7 @@ __all__ = [
     "cache_keys",
     "attn_keys",
     "widen_pool_keys",
+    "group_keys",
     "plan_attn",
     "plan_splits",
     "plan_tail",

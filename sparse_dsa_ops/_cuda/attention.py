@@ -11,15 +11,19 @@ import torch
 
 from csrc_tl.attention import AttnGeometry
 from csrc_tl.attention import keys as builders
+from csrc_tl.attention.geometry import GROUP_HEADS
 from csrc_tl.attention.keys import AttnKey, CombineKey
 from csrc_tl.attention.launch import (
     AttnLaunch,
     attn_kernels,
+    grouped_geometry,
     plan_launch,
     plan_splits,
     plan_tail,
 )
+from csrc_tl.attention.plan import ws_supported
 from csrc_tl.attention.rows import RowsKey
+from csrc_tl.attention.union import UNION_TABLES, UnionKey
 
 from ..layout import KCacheLayout
 from ..ops import OPS, AttnArgs, check_gather_dequant_k_cache, takes_checked
@@ -32,6 +36,7 @@ __all__ = [
     "source_keys",
     "attn_keys",
     "widen_pool_keys",
+    "group_keys",
     "warmup_keys",
     "plan_splits",
     "plan_tail",
@@ -46,6 +51,7 @@ __all__ = [
 register_builder(AttnKey, builders.build, builders.pass_configs)
 register_builder(CombineKey, builders.build, builders.pass_configs)
 register_builder(RowsKey, builders.build, builders.pass_configs)
+register_builder(UnionKey, builders.build, builders.pass_configs)
 
 
 def _geometry(
@@ -132,6 +138,29 @@ def widen_pool_keys(
     return widen + bf16
 
 
+def group_keys(
+    kv_kind: str,
+    d_v: int,
+    d_rope: int,
+    heads: int,
+    sm_scale: float,
+    has_topk_length: bool,
+    target: str | None = None,
+    sm_count: int | None = None,
+    sink: bool = False,
+    max_logits: bool = False,
+) -> list:
+    """The kernels a call runs where the plan groups its tokens in head blocks (see :func:`plan_attn`): the union
+    kernels (each table) and the grouped prefill kernel, over bf16 rows or the pool widened; none at head counts or on
+    targets that never group."""
+    geo = _geometry("bf16", d_v, d_rope, heads, sm_scale, has_topk_length, False)
+    if not _sm90(target) or heads not in GROUP_HEADS or not ws_supported(geo):  # (FP8 rows group once widened)
+        return []
+    per = grouped_geometry(geo).group_tokens
+    kernels = attn_kernels(grouped_geometry(geo), True, sm_count, False, sink, max_logits)
+    return [UnionKey(per, table, has_topk_length) for table in UNION_TABLES] + [kernels.prefill]
+
+
 @functools.lru_cache(maxsize=4096)
 def plan_attn(
     kv_kind: str,
@@ -150,14 +179,18 @@ def plan_attn(
     transposed: bool | None = None,
     slots: int | None = None,
     widen_pool: bool | None = None,
+    group: bool | None = None,
 ) -> AttnLaunch:
     """The launch plan of one call (:func:`csrc_tl.attention.launch.plan_launch`: its kernel keys and split count;
     ``target``, ``sink`` and ``max_logits`` as in :func:`attn_keys`; ``transposed=False``: the plain consumers at any
     head count, for the bench's same-run comparison). Over a pool of ``slots`` FP8 rows the plan may widen the pool
     to bf16 first and run the bf16 rows' kernels (:func:`csrc_tl.attention.launch.plan_widen_pool`;
-    ``widen_pool`` forces either)."""
+    ``widen_pool`` forces either), and over bf16 rows group tokens in head blocks
+    (:func:`csrc_tl.attention.launch.plan_group`; ``group`` forces either)."""
     geo = _geometry(kv_kind, d_v, d_rope, heads, sm_scale, has_topk_length, q_fp8)
-    return plan_launch(geo, tokens, topk, sm_count, _sm90(target), transposed, sink, max_logits, slots, widen_pool)
+    return plan_launch(
+        geo, tokens, topk, sm_count, _sm90(target), transposed, sink, max_logits, slots, widen_pool, group
+    )
 
 
 def warmup_keys(
@@ -183,6 +216,7 @@ def warmup_keys(
                     if not (q_fp8 and kind == "bf16"):
                         keys += attn_keys(kind, d_nope, d_rope, heads, sm_scale, has_len, q_fp8=q_fp8, sink=sink)
                         keys += widen_pool_keys(kind, d_nope, d_rope, heads, sm_scale, has_len, sink=sink)
+                        keys += group_keys(kind, d_nope, d_rope, heads, sm_scale, has_len, sink=sink)
     return list(dict.fromkeys(keys))
 
 
@@ -239,11 +273,13 @@ def _attend(
     empty_lse=None,
     transposed=None,
     widen_pool=None,
+    group=None,
 ):
     """``(out, lse)`` of ``sparse_attn``, and ``max_logits`` filled in place where given (``transposed=False``: the
-    plain consumers at any head count; ``widen_pool``: the pool widened to bf16 first, or not; both for the bench's
-    same-run comparisons and the tests, see :func:`plan_attn`). Empty rows' lse is ``empty_lse`` (-inf when None):
-    the combine writes it; after a prefill kernel (which writes -inf) one pass."""
+    plain consumers at any head count; ``widen_pool``: the pool widened to bf16 first, or not; ``group``: tokens
+    grouped in head blocks, or not; each for the bench's same-run comparisons and the tests, see :func:`plan_attn`).
+    Empty rows' lse is ``empty_lse`` (-inf when None): the combine writes it; after a prefill kernel (which writes
+    -inf) one pass."""
     t_count, heads, d_qk = q.shape
     empty = -math.inf if empty_lse is None else empty_lse
     out = torch.empty(t_count, heads, d_v, dtype=torch.bfloat16, device=q.device)
@@ -272,6 +308,7 @@ def _attend(
         sink=attn_sink is not None,
         max_logits=max_logits is not None,
         transposed=transposed,
+        group=group,
     )
     plan = ask(slots=pool.shape[0], widen_pool=widen_pool)
     if plan.widen_pool:  # the bf16 rows' kernels over the pool widened once (every FP8 value widens exactly)
@@ -280,11 +317,28 @@ def _attend(
     elif plan.count_rows and not torch.cuda.is_current_stream_capturing():
         flags, rows = _selected_rows(pool, idx)  # (one sync)
         if ask(slots=rows.shape[0]).widen_pool:  # the selected rows alone, widened, and the selections remapped
-            plan, pool, idx = ask(widen_pool=True), _widen_rows(args, pool, rows), _remap(idx, flags)
+            plan = ask(slots=rows.shape[0], widen_pool=True)
+            pool, idx = _widen_rows(args, pool, rows), _remap(idx, flags)
             q = q.to(torch.bfloat16)
+
+    def redo_max(first: int, stop: int) -> torch.Tensor:  # the row maxima of tokens [first, stop), a second pass
+        lengths = None if topk_length is None else topk_length[first:stop]
+        return attn_max_logits(args, q[first:stop], kv, indices[first:stop], sm_scale, d_v, lengths)
+
+    _launch(plan, q, pool, idx, topk_length, attn_sink, out, lse, max_logits, empty, redo_max)
+    return out, lse
+
+
+def _launch(plan: AttnLaunch, q, pool, idx, topk_length, attn_sink, out, lse, max_logits, empty: float, redo_max):
+    """Run ``plan`` over ``q [T, H, d_qk]`` and the selections ``idx [T, K]`` of ``pool`` (its rows as the kernels
+    read them), writing ``out``, ``lse`` and ``max_logits`` (where given); ``redo_max(first, stop)``: the row maxima of
+    tokens ``[first, stop)``, for the split path's tokens (its kernels keep none)."""
+    t_count, heads = q.shape[:2]
     inputs = (q, idx) if topk_length is None else (q, idx, topk_length)
     main = plan.prefill_tokens
-    if main:  # the prefill's tokens
+    if main and plan.union:  # whole groups of tokens in grouped head blocks
+        _attend_grouped(plan, q, pool, idx, topk_length, attn_sink, out, lse, max_logits)
+    elif main:  # the prefill's tokens
         rows = [aligned(_rows(x, 0, main)) for x in inputs]
         if plan.prefill.sink_max:
             sink = aligned(attn_sink) if attn_sink is not None else q.new_full((heads,), float("-inf"), dtype=lse.dtype)
@@ -292,22 +346,57 @@ def _attend(
             kernel(plan.prefill)(rows[0], pool, *rows[1:], sink, _rows(out, 0, main), _rows(lse, 0, main), best)
         else:
             kernel(plan.prefill)(rows[0], pool, *rows[1:], _rows(out, 0, main), _rows(lse, 0, main))
-        if empty != -math.inf:  # one elementwise pass (a compare and a fill are two)
-            _rows(lse, 0, main).nan_to_num_(nan=math.nan, posinf=math.inf, neginf=empty)
+    if main and empty != -math.inf:  # one elementwise pass (a compare and a fill are two)
+        _rows(lse, 0, main).nan_to_num_(nan=math.nan, posinf=math.inf, neginf=empty)
     if plan.split:  # the rest (a decode's tokens, or a persistent prefill's last round)
         rows = [aligned(_rows(x, main, t_count)) for x in inputs]
         part_out = torch.empty(
-            t_count - main, plan.splits, plan.partial_heads, d_v, dtype=torch.bfloat16, device=q.device
+            t_count - main, plan.splits, plan.partial_heads, out.shape[-1], dtype=torch.bfloat16, device=q.device
         )
         part_lse = torch.empty(t_count - main, plan.splits, heads, dtype=torch.float32, device=q.device)
         sink = () if attn_sink is None else (aligned(attn_sink),)  # the combine folds it into its normalization
         kernel(plan.split[0])(rows[0], pool, *rows[1:], part_out, part_lse)
         kernel(plan.split[1])(part_out, part_lse, *sink, _rows(out, main, t_count), _rows(lse, main, t_count), empty)
-        if max_logits is not None:  # the split kernels keep no row maxima: a second pass over these tokens' rows
-            lengths = None if topk_length is None else topk_length[main:]
-            best = attn_max_logits(args, q[main:], kv, indices[main:], sm_scale, d_v, lengths)
-            _rows(max_logits, main, t_count).copy_(best)
-    return out, lse
+        if max_logits is not None:
+            _rows(max_logits, main, t_count).copy_(redo_max(main, t_count))
+    if plan.rest:  # a grouped launch's last tokens, fewer than a group
+        views = [None if x is None else x[main:] for x in (q, idx, topk_length)]
+        rest_max = None if max_logits is None else max_logits[main:]
+        _launch(
+            plan.rest,
+            views[0],
+            pool,
+            views[1],
+            views[2],
+            attn_sink,
+            out[main:],
+            lse[main:],
+            rest_max,
+            empty,
+            lambda first, stop: redo_max(main + first, main + stop),
+        )
+
+
+def _attend_grouped(plan: AttnLaunch, q, pool, idx, topk_length, attn_sink, out, lse, max_logits):
+    """The grouped head blocks of ``plan`` over its first ``plan.prefill_tokens`` tokens (see :func:`_launch`): the
+    union kernel lists each group's selections once (:mod:`csrc_tl.attention.union`), and the grouped prefill kernel
+    reads the group's q, out, lse and max_logits as one token of ``64`` head rows (their memory is the same)."""
+    main, per, topk = plan.prefill_tokens, plan.group, idx.shape[1]
+    groups, rows = main // per, per * q.shape[1]
+    union = torch.empty(groups, per * topk, dtype=torch.int32, device=q.device)
+    lengths = torch.empty(groups, dtype=torch.int32, device=q.device)
+    cut = () if topk_length is None else (aligned(topk_length[:main]),)
+    kernel(plan.union)(aligned(idx[:main]), *cut, pool.shape[0], union, lengths)
+    q_g = aligned(q[:main]).view(groups, rows, q.shape[-1])
+    out_g, lse_g = out[:main].view(groups, rows, out.shape[-1]), lse[:main].view(groups, rows)
+    if plan.prefill.sink_max:
+        sink = (
+            aligned(attn_sink).repeat(per) if attn_sink is not None else q.new_full((rows,), -math.inf, dtype=lse.dtype)
+        )
+        best = max_logits[:main].view(groups, rows) if max_logits is not None else torch.empty_like(lse_g)
+        kernel(plan.prefill)(q_g, pool, union, lengths, sink, out_g, lse_g, best)
+    else:
+        kernel(plan.prefill)(q_g, pool, union, lengths, out_g, lse_g)
 
 
 def _selected_rows(pool: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

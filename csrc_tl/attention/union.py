@@ -1,0 +1,170 @@
+"""The union of a group of tokens' selections, which a grouped head block walks (``AttnGeometry.group``): the 64 rows
+of the block are the heads of G consecutive tokens (8 tokens of 8 heads, 4 of 16, 2 of 32), so each row of the union
+is gathered once for all of them, and each entry carries the bits of the tokens that select its row.
+
+An entry of the union is ``row | bits << 24`` (:data:`~csrc_tl.attention.geometry.GROUP_ROW_BITS`): bit ``j`` of the
+high byte set where token ``j`` of the group selects ``row``. Each distinct valid row appears once, with every
+selecting token's bit, where no token of the group selects a row twice; a group where some token does (duplicates
+count as often as they appear) lists every valid entry alone, with its token's bit, so that each counts once per
+appearance as in the per-token kernels. The order is fixed by the inputs (thread by thread, each thread's entries in
+turn: token by token, position by position), so results repeat bit for bit.
+
+How: one CTA a group. Every valid entry sets its token's bit in a shared byte per pool row (``atomicOr``, which also
+finds a token's duplicate); then each entry of the token of lowest bit of its row's byte emits the row, at its rank
+by a block-wide prefix sum of the counts of the threads.
+
+Shapes (G tokens a group, N groups, K top-k entries, S pool rows; all dynamic but G): ``indices [N * G, K] int32``
+(any values: valid those in ``[0, S)`` before ``topk_length[t]``), ``topk_length [N * G] int32`` (with ``lengths``),
+``slots`` (S, an int32 scalar; rows past the table are never valid), ``union [N, W] int32`` (``W >= G * K``; entries
+at and past ``lengths[g]`` are not written), ``lengths [N] int32``.
+"""
+
+from dataclasses import dataclass
+
+from .geometry import GROUP_ROW_BITS
+
+UNION_THREADS = 512
+# Pool rows of a CTA's shared byte table: 16 KB, where several CTAs share an SM, or 128 KB (the plan groups tokens over
+# small pools; the larger table is for wide selections)
+UNION_TABLES = (1 << 14, 1 << 17)
+WARP = 32
+SHUFFLE_DELTAS = (1, 2, 4, 8, 16)
+
+
+@dataclass(frozen=True)
+class UnionKey:
+    """The union kernel of groups of ``tokens`` tokens over pools of at most ``table`` rows (one of
+    :data:`UNION_TABLES`); ``lengths``: it takes ``topk_length``."""
+
+    tokens: int
+    table: int
+    lengths: bool = False
+
+    family = "union"
+
+    def __post_init__(self):
+        assert 2 <= self.tokens <= 8, "a union of 2 to 8 tokens (a bit each in an entry's high byte)"
+        assert self.table in UNION_TABLES, f"a table of one of {UNION_TABLES} rows"
+
+    @property
+    def name(self) -> str:
+        return f"attn_union_g{self.tokens}_t{self.table}" + ("_len" if self.lengths else "")
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def union_table(slots: int) -> int | None:
+    """The table of a pool of ``slots`` rows: the smallest of :data:`UNION_TABLES` that holds them (None: none)."""
+    return next((t for t in UNION_TABLES if slots <= t), None)
+
+
+def build_union(key: UnionKey):
+    """The TileLang program of ``key``: ``union(indices, [topk_length,] slots, union, lengths)`` (see the module)."""
+    import tilelang.language as T  # here, so that planning a launch imports neither TileLang nor torch
+
+    group, threads, words = key.tokens, UNION_THREADS, key.table // 4
+    warps = threads // WARP
+    t_count, k_count, n_groups, width = T.dynamic("t"), T.dynamic("k"), T.dynamic("n"), T.dynamic("w")
+
+    @T.macro
+    def entry(indices, topk_length, slots, g, j, pos, x, ok):
+        """``x[0]``: the index at ``pos`` of token ``j`` of group ``g`` (``pos`` past the row: -1), ``ok[0]`` whether
+        it is valid."""
+        tok = g * group + j
+        x[0] = -1
+        if pos < k_count:
+            x[0] = indices[tok, pos]
+        cut = topk_length[tok] if key.lengths else k_count
+        ok[0] = T.if_then_else((pos < cut) & (x[0] >= 0) & (x[0] < T.min(slots, key.table)), 1, 0)
+
+    @T.macro
+    def block_scan(mine, excl, total, sums, tmp):
+        """``excl[0]``: the sum of ``mine[0]`` over the threads before this one; ``total[0]``: over all."""
+        tx = T.get_thread_binding()
+        lane, warp = tx % WARP, tx // WARP
+        excl[0] = mine[0]
+        for delta in SHUFFLE_DELTAS:
+            tmp[0] = T.shfl_up(excl[0], delta, WARP)
+            if lane >= delta:
+                excl[0] = excl[0] + tmp[0]
+        if lane == WARP - 1:
+            sums[warp] = excl[0]
+        T.sync_threads()
+        if warp == 0:
+            total[0] = T.if_then_else(lane < warps, sums[T.min(lane, warps - 1)], 0)
+            for delta in SHUFFLE_DELTAS:
+                tmp[0] = T.shfl_up(total[0], delta, WARP)
+                if lane >= delta:
+                    total[0] = total[0] + tmp[0]
+            if lane < warps:
+                sums[lane] = total[0]
+        T.sync_threads()
+        excl[0] = excl[0] - mine[0] + T.if_then_else(warp > 0, sums[T.max(warp - 1, 0)], 0)
+        total[0] = sums[warps - 1]
+
+    @T.macro
+    def body(indices, topk_length, slots, union, lengths):
+        with T.Kernel(n_groups, threads=threads) as g:
+            table = T.alloc_shared((words,), T.int32)  # a byte per pool row: the bits of the tokens that select it
+            sums = T.alloc_shared((warps,), T.int32)
+            dup = T.alloc_shared((1,), T.int32)
+            x = T.alloc_local((1,), T.int32)
+            ok = T.alloc_local((1,), T.int32)
+            old = T.alloc_local((1,), T.int32)
+            mine = T.alloc_local((1,), T.int32)
+            excl = T.alloc_local((1,), T.int32)
+            total = T.alloc_local((1,), T.int32)
+            tmp = T.alloc_local((1,), T.int32)
+            tx = T.get_thread_binding()
+            rounds = T.ceildiv(k_count, threads)  # of each token's entries
+            for i in T.serial(words // threads):
+                table[i * threads + tx] = 0
+            if tx == 0:
+                dup[0] = 0
+            T.sync_threads()
+            for j, r in T.grid(group, rounds):
+                entry(indices, topk_length, slots, g, j, r * threads + tx, x, ok)
+                if ok[0] != 0:
+                    bit = T.shift_left(T.int32(1), (x[0] % 4) * 8 + j)
+                    # (atomicOr itself: TileLang's AtomicOr is a global-memory reduction)
+                    old[0] = T.call_extern(T.int32, "atomicOr", T.address_of(table[x[0] // 4]), bit)
+                    if T.bitwise_and(old[0], bit) != 0:  # the token selected this row before
+                        dup[0] = 1
+            T.sync_threads()
+            mine[0] = 0
+            for j, r in T.grid(group, rounds):
+                entry(indices, topk_length, slots, g, j, r * threads + tx, x, ok)
+                row = T.if_then_else(ok[0] != 0, x[0], 0)
+                bits = T.bitwise_and(T.shift_right(table[row // 4], (row % 4) * 8), 0xFF)
+                first = T.bitwise_and(bits, T.shift_left(T.int32(1), j) - 1) == 0
+                if ok[0] != 0 and (dup[0] != 0 or first):
+                    mine[0] = mine[0] + 1
+            block_scan(mine, excl, total, sums, tmp)
+            for j, r in T.grid(group, rounds):
+                entry(indices, topk_length, slots, g, j, r * threads + tx, x, ok)
+                row = T.if_then_else(ok[0] != 0, x[0], 0)
+                bits = T.bitwise_and(T.shift_right(table[row // 4], (row % 4) * 8), 0xFF)
+                first = T.bitwise_and(bits, T.shift_left(T.int32(1), j) - 1) == 0
+                if ok[0] != 0 and (dup[0] != 0 or first):
+                    mine_bits = T.if_then_else(dup[0] != 0, T.shift_left(T.int32(1), j), bits)
+                    union[g, excl[0]] = T.bitwise_or(x[0], T.shift_left(mine_bits, GROUP_ROW_BITS))
+                    excl[0] = excl[0] + 1
+            if tx == 0:
+                lengths[g] = total[0]
+
+    idx_t, len_t = T.Tensor((t_count, k_count), T.int32), T.Tensor((t_count,), T.int32)
+    union_t, lengths_t = T.Tensor((n_groups, width), T.int32), T.Tensor((n_groups,), T.int32)
+    if key.lengths:
+
+        @T.prim_func
+        def union(indices: idx_t, topk_length: len_t, slots: T.int32, union: union_t, lengths: lengths_t):
+            body(indices, topk_length, slots, union, lengths)
+
+        return union
+
+    @T.prim_func
+    def union(indices: idx_t, slots: T.int32, union: union_t, lengths: lengths_t):
+        body(indices, None, slots, union, lengths)
+
+    return union
