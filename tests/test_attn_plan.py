@@ -25,6 +25,8 @@ from csrc_tl.attention import (
 )
 from csrc_tl.attention.keys import AttnKey, CombineKey
 from csrc_tl.attention.launch import (
+    GROUP_MAX_UNION,
+    GROUP_MIN_TOKENS,
     TAIL_MIN_BLOCKS,
     TAIL_MIN_SPLITS,
     TAIL_SPLIT_BLOCKS,
@@ -36,11 +38,15 @@ from csrc_tl.attention.launch import (
     AttnKernels,
     AttnLaunch,
     attn_kernels,
+    grouped_geometry,
+    plan_group,
     plan_launch,
     plan_widen_pool,
+    union_share,
     widened_geometry,
 )
 from csrc_tl.attention.plan import CONSUMER_SCHEMES, DEFAULT_CTAS, ROW_SCHEMES, WS_NREG, WS_NREG_DIRECT
+from csrc_tl.attention.union import UNION_TABLES, UnionKey
 
 
 def geometry(
@@ -422,12 +428,12 @@ def test_launch_plan_is_frozen_and_checked():
 def test_widen_pool_plan():
     # a prefill that gathers each FP8 pool row many times widens the pool once and runs the bf16 rows' kernels
     ds8 = geometry("packed", 512, 64, 8)
-    launch = plan_launch(ds8, 4096, 2048, 132, True, slots=8192)
+    launch = plan_launch(ds8, 4096, 2048, 132, True, slots=8192, group=False)
     assert launch.widen_pool and launch.kernels == attn_kernels(widened_geometry(ds8), True, 132)
     assert launch.kernels.prefill.geo == geometry("bf16", 512, 64, 8) and launch.kernels.prefill.transposed
     assert str(launch) == "pool to bf16 + attn_prefill_ws"
     # native FP8 rows and a float8 q: the bf16 kernels take q widened, where its bf16 copy fits beside the pool's
-    fp8 = plan_launch(geometry("fp8", 512, 64, 8, q_fp8=True), 4096, 2048, 132, True, slots=8192)
+    fp8 = plan_launch(geometry("fp8", 512, 64, 8, q_fp8=True), 4096, 2048, 132, True, slots=8192, group=False)
     assert fp8.widen_pool and fp8.kernels.prefill.geo == geometry("bf16", 512, 64, 8)
     assert not plan_launch(geometry("fp8", 512, 64, 128, q_fp8=True), 4096, 2048, 132, True, slots=8192).widen_pool
     assert plan_launch(geometry("fp8", 512, 64, 128), 4096, 2048, 132, True, slots=8192).widen_pool  # a bf16 q
@@ -477,12 +483,75 @@ def test_widen_pool_keys_cover_the_plan(monkeypatch):
                 kind, 512, 64, heads, scale, True, q_fp8, 4100, 2048, DEFAULT_CTAS, "cuda", slots=8192
             )
             keys = _cuda.widen_pool_keys(kind, 512, 64, heads, scale, True, target="cuda", sm_count=DEFAULT_CTAS)
+            keys += _cuda.group_keys(kind, 512, 64, heads, scale, True, target="cuda", sm_count=DEFAULT_CTAS)
             assert plan.widen_pool and set(plan.keys) <= set(keys)
             widen = k_cache.cache_keys("dequant_k_cache", geometry("packed", 512, 64).layout)
             assert (set(widen) <= set(keys)) == (kind == "packed")
             assert set(keys) <= set(_cuda.attention.warmup_keys(heads, 512, 64, scale, (kind,), (q_fp8,)))
     assert _cuda.widen_pool_keys("bf16", 512, 64, 8, 576**-0.5, False, target="cuda") == []
     assert _cuda.widen_pool_keys("packed", 512, 64, 8, 576**-0.5, False, target="hip") == []
+
+
+def test_group_plan():
+    # at 8-16 heads a prefill over a small pool of bf16 rows (or its pool widened) runs head blocks of 64 / H tokens
+    # over the union of their selections; the last tokens, fewer than a group, take the per-token plan
+    bf8 = geometry("bf16", 512, 64, 8)
+    launch = plan_launch(bf8, 4096, 2048, 132, True, slots=8192)
+    assert launch.group == 8 and launch.prefill_tokens == 4096 and launch.rest is None and not launch.split
+    assert launch.union == UnionKey(8, UNION_TABLES[0], False)
+    assert (
+        launch.prefill.geo
+        == grouped_geometry(bf8)
+        == dataclasses.replace(geometry("bf16", 512, 64, 64, has_len=True), group=8)
+    )
+    assert not launch.prefill.transposed and launch.keys == (launch.union, launch.prefill)
+    assert str(launch) == "union of 8 tokens + attn_prefill_ws (grouped)"
+    assert plan_launch(geometry("bf16", 512, 0, 16), 4096, 2048, 132, True, slots=8192).group == 4
+    packed = plan_launch(geometry("packed", 512, 64, 8), 4096, 2048, 132, True, slots=8192)
+    assert packed.widen_pool and packed.group == 8 and packed.prefill.geo.kv_kind == "bf16"
+    # a rest of 5 tokens: the per-token kernels (here the split path: 5 tokens do not fill the GPU)
+    rest = plan_launch(bf8, 4093, 2048, 132, True, slots=8192)
+    assert rest.prefill_tokens == 4088 and rest.rest == plan_launch(bf8, 5, 2048, 132, True, group=False)
+    assert rest.keys == (rest.union, rest.prefill) + rest.rest.keys and rest.rest.split
+    assert "(last 5 tokens)" in str(rest)
+    # the expected union of uniform selections decides: 45% of the selections at 8 tokens over 8192 rows, 68% at 4,
+    # 88% at 2 (32 heads: not grouped unless forced), 90% at 8 over 65536 rows
+    assert math.isclose(union_share(8, 2048, 8192), 8192 * (1 - 0.75**8) / (8 * 2048))
+    assert union_share(4, 2048, 8192) <= GROUP_MAX_UNION < union_share(2, 2048, 8192)
+    assert plan_launch(geometry("bf16", 512, 64, 32), 4096, 2048, 132, True, slots=8192).group == 1
+    assert plan_launch(geometry("bf16", 512, 64, 32), 4096, 2048, 132, True, slots=8192, group=True).group == 2
+    assert plan_launch(bf8, 4096, 2048, 132, True, slots=65536).group == 1
+    # never: under GROUP_MIN_TOKENS, 64 heads or more, off sm_90, no pool size, a pool past the largest table, the
+    # consumers forced
+    assert plan_launch(bf8, GROUP_MIN_TOKENS - 1, 2048, 132, True, slots=1024).group == 1
+    assert plan_group(geometry("bf16", 512, 64, 64), 4096, 2048, 8192, True) == 1
+    assert plan_launch(bf8, 4096, 2048, 132, False, slots=8192).group == 1
+    assert plan_launch(bf8, 4096, 2048, 132, True).group == 1
+    assert plan_launch(bf8, 4096, 2048, 132, True, slots=UNION_TABLES[-1] + 1, group=True).group == 1
+    assert plan_launch(bf8, 4096, 2048, 132, True, slots=8192, transposed=True).group == 1
+    assert plan_group(bf8, 4096, 2048, 8192, True) == 8
+
+
+def test_group_keys_cover_the_plan(monkeypatch):
+    # warmup compiles what a grouped call launches: the union kernels and the grouped prefill kernel
+    from sparse_dsa_ops import _cuda
+
+    monkeypatch.setattr(_cuda.attention, "is_hopper", lambda: True)
+    for kind, heads, with_len, sink in (
+        ("bf16", 8, False, False),
+        ("packed", 16, True, True),
+        ("bf16", 16, True, False),
+    ):
+        scale = 576**-0.5
+        plan = _cuda.plan_attn(
+            kind, 512, 64, heads, scale, with_len, False, 4096, 2048, DEFAULT_CTAS, "cuda", sink=sink, slots=8192
+        )
+        assert plan.union is not None
+        keys = _cuda.group_keys(kind, 512, 64, heads, scale, with_len, target="cuda", sink=sink)
+        assert set(plan.keys) <= set(keys)
+        assert set(keys) <= set(_cuda.attention.warmup_keys(heads, 512, 64, scale, (kind,), attn_sink=(sink,)))
+    assert _cuda.group_keys("bf16", 512, 64, 64, 576**-0.5, False, target="cuda") == []
+    assert _cuda.group_keys("bf16", 512, 64, 8, 576**-0.5, False, target="hip") == []
 
 
 def test_topk_block_is_the_split_kernels_block():

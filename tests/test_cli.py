@@ -200,13 +200,15 @@ def test_bench_cases_name_their_kernels(h200):
     assert cases["prefill deepseek bf16 T4096 S8192 H128 k2048"]["path"] == "attn_prefill_ws"
     # FP8 pools that a prefill gathers many times: widened to bf16 first, then the bf16 rows' kernels
     assert cases["prefill 256+0 packed T4096 S8192 H64 k2048"]["path"] == "pool to bf16 + attn_prefill_ws"
-    assert cases["tp prefill deepseek fp8 T4096 S8192 H8 k2048"]["path"] == "pool to bf16 + attn_prefill_ws"
+    # ... and at 8-16 heads over a small pool, head blocks of several tokens over the union of their selections
+    grouped = "union of 8 tokens + attn_prefill_ws (grouped)"
+    assert cases["tp prefill deepseek fp8 T4096 S8192 H8 k2048"]["path"] == "pool to bf16 + " + grouped
     # (not where a float8 q's bf16 copy would pass WIDEN_BYTES: 604 MB at 128 heads)
     assert cases["prefill deepseek fp8 T4096 S8192 H128 k2048"]["path"] == "attn_prefill_ws"
     in_kernel = cases["tp prefill deepseek packed T1024 S65536 H16 k2048 in-kernel"]
     assert in_kernel["path"] == "attn_prefill_ws" and all(k.geo.kv_kind == "packed" for k in in_kernel["keys"])
     assert cases["decode 256+0 packed T17 S65536 H8 k2112"]["path"] == "attn_decode_ws x7 + combine"
-    assert cases["prefill deepseek bf16 T4096 S8192 H16 k2048"]["path"] == "attn_prefill_ws"
+    assert cases["prefill deepseek bf16 T4096 S8192 H16 k2048"]["path"] == grouped.replace("8 tokens", "4 tokens")
     assert cases["decode deepseek packed T256 S65536 H128 k2048"]["path"] == "attn_prefill_ws"
     assert cases["dequant_k_cache 256+0 1M rows"]["path"] == "dequant"
     # the indexer's warp-specialized kernels for FP8 queries at every head count, the paged one over 64-token pages
