@@ -144,6 +144,29 @@ def test_quant_kernels_refuse_odd_tails(launches, op):
 
 
 @pytest.mark.parametrize(
+    "target", sweep(["cuda", "hip"], keep=lambda t: t == "cuda", ids=lambda t: f"for-{t}"), ids=lambda t: f"for-{t}"
+)
+def test_union_sources(target):
+    # the union of a group's selections: one shared byte a pool row set by atomicOr, every index guarded (nothing read
+    # of the table for an invalid one), a block-wide prefix sum of the emitted entries, each written with its tokens'
+    # bits above its row (the HIP sweep's source is compiled by CI's HIP step)
+    from csrc_tl.attention.union import UnionKey
+
+    body = kernel_body(source(UnionKey(8, 1 << 14, True), target))
+    assert "atomicOr" in body and "shfl_up" in body and "<< 24)" in body
+    assert "(x[0] < slots) && (x[0] < 16384)" in body, "a row past the pool or the table is never valid"
+    assert "lengths[" in body and "topk_length[" in body
+
+
+def test_grouped_blocks_mask_by_token():
+    # a grouped head block's producer decodes each entry (row below bit 24, tokens above) and its consumers keep the
+    # score of row h where the entry has the bit of row h's token (h // 8 at 8 heads a token)
+    body = kernel_body(source(_cuda.group_keys("bf16", 512, 64, 8, 576**-0.5, False, target="cuda")[-1], "cuda"))
+    assert "16777215)" in body and ">> 24) & 255)" in body
+    assert re.search(r"ok0\)\[[^;]*\] >> [^;]*& 1\)", body) and re.search(r"ok1\)\[[^;]*\] >> [^;]*& 1\)", body)
+
+
+@pytest.mark.parametrize(
     "kind, target",
     # the default run: CUDA; the sweep lowers them for HIP too (and CI's HIP step compiles them)
     sweep([(k, t) for k in ("mark", "remap") for t in ("cuda", "hip")], keep=lambda c: c[1] == "cuda"),
@@ -333,6 +356,9 @@ SUITE_WS_SAMPLE = set(attn_keys("deepseek-512+64-h128", "packed")[:2])
                 attn_keys("512+0-h16", "packed")[0],
                 attn_keys("512+0-h16", "packed", has_len=True)[1],
                 attn_keys("512+0-h8", "packed", has_len=True)[0],
+                *_cuda.group_keys("bf16", 512, 64, 8, 576**-0.5, True, target="cuda", sink=True)[1:],
+                _cuda.group_keys("bf16", 512, 0, 16, 512**-0.5, False, target="cuda")[-1],
+                _cuda.group_keys("bf16", 256, 0, 32, 256**-0.5, False, target="cuda")[-1],
             ],
             ids=lambda k: k.name,
         ),

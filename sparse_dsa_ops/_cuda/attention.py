@@ -499,9 +499,11 @@ def attn_case(
     call through FlashMLA's face, ``run``: its prefill for bf16 kv, its paged FP8 decode for packed kv, whose bench
     cases the face makes);
     ``causal``: the indices of one causal prefill (:func:`_causal_indices`, ``slots`` = ``tokens``) instead of
-    random ones over the whole pool; ``scheme``: the consumers of a few-heads case, "plain" or "transposed", over
-    the FP8 rows in the kernel (the pool never widened), or the plan's consumers over FP8 rows "in-kernel" or
-    "widened" (see :func:`plan_attn`; their same-run comparisons; None: the plan's)."""
+    random ones over the whole pool; ``scheme``: the schemes' same-run comparisons (None: the plan's): the consumers
+    of a few-heads case over FP8 rows in the kernel (the pool never widened), "plain" or "transposed"; the plan's
+    consumers over FP8 rows "in-kernel" or "widened" (tokens grouped where the plan groups them); "per-token" (the
+    pool widened as the plan would, one token a head block) or "grouped" (tokens grouped in head blocks wherever the
+    heads allow; see :func:`plan_attn`)"""
 
     def make():
         gen = torch.Generator(device="cuda").manual_seed(0)
@@ -527,7 +529,10 @@ def attn_case(
         return (q, kv, idx, d_qk**-0.5, d_nope)
 
     flops = 2 * tokens * heads * topk * (2 * d_nope + d_rope)
-    transposed = {None: None, "in-kernel": None, "widened": None, "transposed": True, "plain": False}[scheme]
+    transposed = {"transposed": True, "plain": False}.get(scheme)
+    group = {"per-token": False, "grouped": True}.get(scheme)
+    fp8 = kind != "bf16"
+    widen_pool = None if scheme is None else fp8 and scheme not in ("in-kernel", "transposed", "plain")
     plan = plan_attn(
         kind,
         d_nope,
@@ -543,10 +548,11 @@ def attn_case(
         max_logits=variant == "flash_mla" and kind != "packed",  # (flash_mla_sparse_fwd returns them)
         transposed=transposed,
         slots=slots,
-        widen_pool=None if scheme is None else scheme == "widened",
+        widen_pool=widen_pool,
+        group=group,
     )
     if scheme is not None:
-        run = functools.partial(_scheme_run, transposed, scheme == "widened")
+        run = functools.partial(_scheme_run, transposed, widen_pool, group)
     widen = plan.widen_pool and kind == "packed"  # the pool's widening kernel, after the attention kernels
     return dict(
         name=name,
@@ -561,11 +567,12 @@ def attn_case(
     )
 
 
-def _scheme_run(transposed: bool | None, widen_pool: bool, q, kv, indices, sm_scale, d_v):
-    """``sparse_attn`` on the transposed or the plain consumers (None: the plan's), the pool widened first or not (see
-    :func:`plan_attn`)."""
+def _scheme_run(transposed: bool | None, widen_pool: bool, group: bool | None, q, kv, indices, sm_scale, d_v):
+    """``sparse_attn`` on the transposed or the plain consumers (None: the plan's), the pool widened first or not,
+    tokens grouped in head blocks or not (None: the plan's; see :func:`plan_attn`)."""
     args = OPS["sparse_attn"].check(q, kv, indices, sm_scale, d_v)
-    return _attend(args, q, kv, indices, sm_scale, d_v, None, None, None, transposed=transposed, widen_pool=widen_pool)
+    kw = dict(transposed=transposed, widen_pool=widen_pool, group=group)
+    return _attend(args, q, kv, indices, sm_scale, d_v, None, None, None, **kw)
 
 
 def bench_cases() -> list[dict]:
@@ -657,18 +664,20 @@ def variant_cases(variant: str, run=None) -> list[dict]:
 
 
 def _prefill_schemes(kind: str, heads: int) -> tuple:
-    """The schemes a shard prefill case is timed on: the plan's (for FP8 rows, the pool widened first), and beside it
-    the FP8 rows widened in the kernel, on the transposed and the plain consumers below 64 heads (for bf16 rows the
-    plan's are the transposed ones)."""
-    if kind == "bf16":
-        return ("transposed", "plain") if heads < 64 else (None,)
-    return (None, "transposed", "plain") if heads < 64 else (None, "in-kernel")
+    """The schemes a shard prefill case is timed on (see :func:`attn_case`): the plan's (at 8 and 16 heads tokens
+    grouped in head blocks; for FP8 rows the pool widened first), and beside it one token a head block (the transposed
+    consumers over bf16 rows or the widened pool), tokens grouped at 32 heads, and FP8 rows widened in the kernel on
+    the transposed and on the plain consumers (the plain ones: what padding to 64 heads costs)."""
+    if heads >= 64:
+        return (None,) if kind == "bf16" else (None, "in-kernel")
+    other = "grouped" if heads > 16 else "transposed" if kind == "bf16" else "per-token"
+    return (None, other, "plain") if kind == "bf16" else (None, other, "transposed", "plain")
 
 
 def _shard_cases() -> list[dict]:
-    """Tensor-parallel shards (8, 16, 32 heads per GPU) on the transposed and on the plain consumers, beside 64 and
-    128 heads of the same geometry: prefill and decode, random and causal indices; FP8 rows widened as a pool and in
-    the kernel, and where widening the pool starts to pay (tokens and pool rows)."""
+    """Tensor-parallel shards (8, 16, 32 heads per GPU) on their schemes side by side, beside 64 and 128 heads of the
+    same geometry: prefill and decode, random and causal indices; FP8 rows widened as a pool and in the kernel, tokens
+    grouped in head blocks or not, and where widening the pool starts to pay (tokens and pool rows)."""
     cases = []
     for model, d_nope, d_rope in (("deepseek", 512, 64), ("glm5.3-flash", 512, 0)):
         for kind in ("bf16", "packed"):
@@ -678,8 +687,11 @@ def _shard_cases() -> list[dict]:
                     name = f"tp prefill {shape}" + (f" {scheme}" if scheme else "")
                     cases.append(attn_case(name, kind, d_nope, d_rope, heads, 4096, 8192, 2048, scheme=scheme))
     for kind in ("bf16", "packed"):
-        for heads in (8, 16, 64):
-            for scheme in (None,) if kind == "bf16" else (None, "in-kernel"):
+        for heads in (8, 16, 32, 64):
+            other = (
+                ("grouped" if heads > 16 else "transposed" if kind == "bf16" else "per-token",) if heads < 64 else ()
+            )
+            for scheme in (None, *other) + (("in-kernel",) if kind == "packed" else ()):
                 name = f"tp prefill causal deepseek {kind} T8192 H{heads} k2048" + (f" {scheme}" if scheme else "")
                 cases.append(attn_case(name, kind, 512, 64, heads, 8192, 8192, 2048, causal=True, scheme=scheme))
     for tokens, slots in ((512, 8192), (1024, 65536)):
