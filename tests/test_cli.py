@@ -161,6 +161,7 @@ def _named_by_path(case: dict) -> bool:
     indexer's and the k-pool store's kernels by their own names, the top-k kernels by how many CTAs take a row."""
     from csrc_tl import indexer, k_cache, kpool, selection
     from csrc_tl.attention.keys import AttnKey, CombineKey
+    from csrc_tl.attention.union import UnionKey
 
     keys, path = case["keys"], case["path"]
     filters = [k for k in keys if isinstance(k, indexer.IndexFilterKey)]
@@ -175,11 +176,14 @@ def _named_by_path(case: dict) -> bool:
         return expansion == keys[-1].name and _named_by_path(dict(case, keys=keys[:-1], path=head))
     # an attention call over its pool widened: a packed pool's widening kernel last
     if path.startswith("pool to bf16 + "):
-        attn = [k for k in keys if isinstance(k, (AttnKey, CombineKey))]
+        attn = [k for k in keys if isinstance(k, (AttnKey, CombineKey, UnionKey))]
         widen = keys[len(attn) :]
         if not all(isinstance(k, k_cache.CacheKey) and k.kind == "dequant" for k in widen):
             return False
         return len(widen) <= 1 and _named_by_path(dict(case, keys=attn, path=path.removeprefix("pool to bf16 + ")))
+    if keys and isinstance(keys[0], UnionKey):  # tokens grouped in head blocks: the union kernel, then the kernels
+        head = f"union of {keys[0].tokens} tokens + "
+        return path.startswith(head) and _named_by_path(dict(case, keys=keys[1:], path=path.removeprefix(head)))
     if all(isinstance(k, (AttnKey, CombineKey, k_cache.CacheKey)) for k in keys):
         return path.startswith(keys[0].family) and all(k.family in path for k in keys)
     named = (indexer.QuantIndexKey, indexer.IndexLogitsKey, indexer.PagedLogitsKey, kpool.KpoolStoreKey)
