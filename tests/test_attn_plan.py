@@ -23,6 +23,7 @@ from csrc_tl.attention import (
     ws_plan,
     ws_supported,
 )
+from csrc_tl.attention.geometry import GROUP_HEADS
 from csrc_tl.attention.keys import AttnKey, CombineKey
 from csrc_tl.attention.launch import (
     GROUP_MAX_UNION,
@@ -514,12 +515,15 @@ def test_group_plan():
     assert rest.prefill_tokens == 4088 and rest.rest == plan_launch(bf8, 5, 2048, 132, True, group=False)
     assert rest.keys == (rest.union, rest.prefill) + rest.rest.keys and rest.rest.split
     assert "(last 5 tokens)" in str(rest)
-    # the expected union of uniform selections decides: 45% of the selections at 8 tokens over 8192 rows, 68% at 4,
-    # 88% at 2 (32 heads: not grouped unless forced), 90% at 8 over 65536 rows
+    # the expected union of distinct uniform selections decides, against a bound a head count: 45% of the selections
+    # at 8 tokens over 8192 rows, 68% at 4, 88% at 2 (32 heads); 66% at 8 tokens over 16384 rows (not grouped), 90%
+    # over 65536
     assert math.isclose(union_share(8, 2048, 8192), 8192 * (1 - 0.75**8) / (8 * 2048))
-    assert union_share(4, 2048, 8192) <= GROUP_MAX_UNION < union_share(2, 2048, 8192)
-    assert plan_launch(geometry("bf16", 512, 64, 32), 4096, 2048, 132, True, slots=8192).group == 1
-    assert plan_launch(geometry("bf16", 512, 64, 32), 4096, 2048, 132, True, slots=8192, group=True).group == 2
+    assert tuple(GROUP_MAX_UNION) == GROUP_HEADS
+    for heads in GROUP_HEADS:
+        assert union_share(64 // heads, 2048, 8192) <= GROUP_MAX_UNION[heads] < union_share(64 // heads, 2048, 65536)
+    assert plan_launch(geometry("bf16", 512, 64, 32), 4096, 2048, 132, True, slots=8192).group == 2
+    assert plan_launch(bf8, 4096, 2048, 132, True, slots=16384).group == 1
     assert plan_launch(bf8, 4096, 2048, 132, True, slots=65536).group == 1
     # never: under GROUP_MIN_TOKENS, 64 heads or more, off sm_90, no pool size, a pool past the largest table, the
     # consumers forced

@@ -69,7 +69,8 @@ def _overlapping(inputs, seed):
 def _run_grouped(inputs, lengths=None, sink=None, max_logits=False):
     """The op's outputs on the GPU with its tokens grouped (the pool widened first for FP8 rows); the plan is asked
     whether it groups them."""
-    q, kv, idx, scale, d_v = cuda(*inputs)
+    q, kv, idx = cuda(*inputs[:3])
+    scale, d_v = inputs[3:]
     lengths, sink = cuda(lengths, sink)
     args = OPS["sparse_attn"].check(q, kv, idx, scale, d_v, lengths, sink)
     best = torch.empty(q.shape[:2], dtype=torch.float32, device="cuda") if max_logits else None

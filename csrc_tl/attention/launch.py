@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 from .geometry import (
     DEFAULT_TILES,
-    GROUP_HEADS,
     MAX_HEAD_BLOCK,
     TRANSPOSED_MAX_HEADS,
     AttnGeometry,
@@ -89,16 +88,20 @@ WIDEN_BYTES = 128 << 20
 # 1775 us, at 64 heads 2816 -> 2543, counting included).
 WIDEN_COUNT_TOKENS = 4096
 
-# A prefill over bf16 rows (or its pool widened) at 8 or 16 heads (GROUP_HEADS) runs grouped head blocks: the 64 rows of
-# a block hold the heads of 64 / H consecutive tokens, which walk the union of their selections, each row gathered once
-# for all of them (AttnGeometry.group). At few heads the per-token kernels are bound by the gather of each token's
-# rows, not by the tensor cores, so a block of several tokens trades the gathers their selections share for the
-# scores of rows only some of them select (masked). It pays where the union is small beside the selections: the plan
-# groups a call of at least GROUP_MIN_TOKENS tokens whose union, were the selections uniform over the pool
-# (union_share), would be at most GROUP_MAX_UNION of the selections; a causal prompt's tokens share more than that
-# (each early token selects its whole prefix).
+# A prefill over bf16 rows (or its pool widened) at 8 to 32 heads (GROUP_HEADS) runs grouped head blocks: the 64 rows
+# of a block hold the heads of 64 / H consecutive tokens, which walk the union of their selections, each row gathered
+# once for all of them (AttnGeometry.group). At few heads the per-token kernels are bound by the gather of each token's
+# rows, not by the tensor cores, so a block of several tokens trades the gathers their selections share for the scores
+# of rows only some of them select (masked). A grouped call takes about (union_share + 0.03) times the 64-head time,
+# the per-token kernels 0.72 / 0.79 / 0.97 of it at 8 / 16 / 32 heads (H100, T 4096 over 8192 rows, k 2048): the plan
+# groups a call of at least GROUP_MIN_TOKENS tokens where the union of distinct selections drawn uniformly from the
+# pool (union_share) would be at most GROUP_MAX_UNION[heads] of the selections, a margin below the per-token ratio. A
+# causal prompt's tokens share more than uniform selections do (each early token selects its whole prefix). Same
+# H100 call, distinct random selections, per token -> grouped: DeepSeek bf16 at 8 heads (a union of 45% of the
+# selections) 1421 -> 932 us, 16 heads (68%) 1560 -> 1372, 32 heads (88%) 1908 -> 1765, 64 heads 1963; a causal
+# prompt of 8192 tokens (packed rows, widened) at 8 / 16 / 32 heads 2842 / 3044 / 3688 -> 1114 / 1758 / 2612.
 GROUP_MIN_TOKENS = 512
-GROUP_MAX_UNION = 0.7
+GROUP_MAX_UNION = {8: 0.65, 16: 0.72, 32: 0.88}
 
 
 @dataclass(frozen=True)
@@ -263,7 +266,7 @@ def plan_launch(
     if group is None:
         group = transposed is None and slots is not None and plan_group(geo, tokens, topk, slots, sm90) > 1
     fits = slots is not None and union_table(slots) is not None and tokens >= MAX_HEAD_BLOCK // geo.heads
-    if group and fits and sm90 and geo.kv_kind == "bf16" and geo.heads in GROUP_HEADS and ws_supported(geo):
+    if group and fits and sm90 and geo.kv_kind == "bf16" and geo.heads in GROUP_MAX_UNION and ws_supported(geo):
         return _grouped_launch(geo, tokens, topk, sm_count, sink, max_logits, union_table(slots))
     kernels = attn_kernels(geo, sm90, sm_count, transposed, sink, max_logits)
     splits = plan_splits(tokens, geo.heads, topk, sm_count)
@@ -308,13 +311,13 @@ def plan_group(geo: AttnGeometry, tokens: int, topk: int, slots: int, sm90: bool
     heads`` on sm_90 CUDA at :data:`~csrc_tl.attention.geometry.GROUP_HEADS` heads (the warp-specialized kernels),
     from :data:`GROUP_MIN_TOKENS` tokens, over a pool the union kernel's table holds, where :func:`union_share`
     is at most :data:`GROUP_MAX_UNION`; else 1. GLM-5 at 8 heads, T 4096, K 2048 over 8192 rows: 8 tokens (a union of
-    45% of the selections); over 65536 rows: 1 (90%)."""
-    if not sm90 or geo.kv_kind != "bf16" or geo.heads not in GROUP_HEADS or not ws_supported(geo):
+    45% of the selections); over 65536 rows: 1 (90%); DeepSeek at 32 heads over 8192 rows: 2 tokens (88%)."""
+    if not sm90 or geo.kv_kind != "bf16" or geo.heads not in GROUP_MAX_UNION or not ws_supported(geo):
         return 1
     per = MAX_HEAD_BLOCK // geo.heads
     if tokens < GROUP_MIN_TOKENS or union_table(slots) is None or topk <= 0:
         return 1
-    return per if union_share(per, topk, slots) <= GROUP_MAX_UNION else 1
+    return per if union_share(per, topk, slots) <= GROUP_MAX_UNION[geo.heads] else 1
 
 
 def widened_geometry(geo: AttnGeometry) -> AttnGeometry:

@@ -387,7 +387,7 @@ def _attend_grouped(plan: AttnLaunch, q, pool, idx, topk_length, attn_sink, out,
     lengths = torch.empty(groups, dtype=torch.int32, device=q.device)
     cut = () if topk_length is None else (aligned(topk_length[:main]),)
     kernel(plan.union)(aligned(idx[:main]), *cut, pool.shape[0], union, lengths)
-    q_g = aligned(q[:main]).view(groups, rows, q.shape[-1])
+    q_g = aligned(q[:main]).view(groups, rows, q.shape[-1])  # (contiguous: the group's heads are one block)
     out_g, lse_g = out[:main].view(groups, rows, out.shape[-1]), lse[:main].view(groups, rows)
     if plan.prefill.sink_max:
         sink = (
@@ -492,6 +492,17 @@ def _causal_indices(tokens: int, topk: int, gen: torch.Generator) -> torch.Tenso
     return torch.where(best >= 0, idx, -1).int()
 
 
+def _random_indices(tokens: int, topk: int, slots: int, gen: torch.Generator) -> torch.Tensor:
+    """``[T, topk]`` int32 indices of ``topk`` distinct slots each, drawn uniformly from ``slots`` (as a top-k selects
+    them; at most ``slots``, the rest -1), in random order."""
+    idx = torch.full((tokens, topk), -1, dtype=torch.int32, device="cuda")
+    take = min(topk, slots)
+    for first in range(0, tokens, 1024):  # (a [1024, S] float32 draw at a time)
+        noise = torch.rand(min(1024, tokens - first), slots, device="cuda", generator=gen)
+        idx[first : first + noise.shape[0], :take] = noise.topk(take, dim=1, sorted=False).indices.int()
+    return idx
+
+
 def attn_case(
     name, kind, d_nope, d_rope, heads, tokens, slots, topk, target=None, variant="", causal=False, scheme=None, run=None
 ):
@@ -499,11 +510,11 @@ def attn_case(
     call through FlashMLA's face, ``run``: its prefill for bf16 kv, its paged FP8 decode for packed kv, whose bench
     cases the face makes);
     ``causal``: the indices of one causal prefill (:func:`_causal_indices`, ``slots`` = ``tokens``) instead of
-    random ones over the whole pool; ``scheme``: the schemes' same-run comparisons (None: the plan's): the consumers
-    of a few-heads case over FP8 rows in the kernel (the pool never widened), "plain" or "transposed"; the plan's
-    consumers over FP8 rows "in-kernel" or "widened" (tokens grouped where the plan groups them); "per-token" (the
-    pool widened as the plan would, one token a head block) or "grouped" (tokens grouped in head blocks wherever the
-    heads allow; see :func:`plan_attn`)"""
+    distinct random ones over the whole pool (:func:`_random_indices`); ``scheme``: the schemes' same-run comparisons
+    (None: the plan's): the consumers of a few-heads case over FP8 rows in the kernel (the pool never widened),
+    "plain" or "transposed"; the plan's consumers over FP8 rows "in-kernel" or "widened" (tokens grouped where the
+    plan groups them); "per-token" (the pool widened as the plan would, one token a head block) or "grouped" (tokens
+    grouped in head blocks wherever the heads allow; see :func:`plan_attn`)"""
 
     def make():
         gen = torch.Generator(device="cuda").manual_seed(0)
@@ -519,7 +530,7 @@ def attn_case(
         if causal:
             idx = _causal_indices(tokens, topk, gen)
         else:
-            idx = torch.randint(0, slots, (tokens, topk), device="cuda", dtype=torch.int32, generator=gen)
+            idx = _random_indices(tokens, topk, slots, gen)
         if variant == "sink":
             return (q, kv, idx, d_qk**-0.5, d_nope, None, torch.randn(heads, device="cuda", generator=gen))
         if variant == "flash_mla" and kind == "packed":  # b = T requests of one token, pages of 64 slots
@@ -664,13 +675,13 @@ def variant_cases(variant: str, run=None) -> list[dict]:
 
 
 def _prefill_schemes(kind: str, heads: int) -> tuple:
-    """The schemes a shard prefill case is timed on (see :func:`attn_case`): the plan's (at 8 and 16 heads tokens
-    grouped in head blocks; for FP8 rows the pool widened first), and beside it one token a head block (the transposed
-    consumers over bf16 rows or the widened pool), tokens grouped at 32 heads, and FP8 rows widened in the kernel on
-    the transposed and on the plain consumers (the plain ones: what padding to 64 heads costs)."""
+    """The schemes a shard prefill case is timed on (see :func:`attn_case`): the plan's (tokens grouped in head blocks
+    over these small pools; for FP8 rows the pool widened first), and beside it one token a head block (the
+    transposed consumers over bf16 rows or the widened pool), and FP8 rows widened in the kernel on the transposed and
+    on the plain consumers (the plain ones: what padding to 64 heads costs)."""
     if heads >= 64:
         return (None,) if kind == "bf16" else (None, "in-kernel")
-    other = "grouped" if heads > 16 else "transposed" if kind == "bf16" else "per-token"
+    other = "transposed" if kind == "bf16" else "per-token"
     return (None, other, "plain") if kind == "bf16" else (None, other, "transposed", "plain")
 
 
@@ -688,9 +699,7 @@ def _shard_cases() -> list[dict]:
                     cases.append(attn_case(name, kind, d_nope, d_rope, heads, 4096, 8192, 2048, scheme=scheme))
     for kind in ("bf16", "packed"):
         for heads in (8, 16, 32, 64):
-            other = (
-                ("grouped" if heads > 16 else "transposed" if kind == "bf16" else "per-token",) if heads < 64 else ()
-            )
+            other = ("transposed" if kind == "bf16" else "per-token",) if heads < 64 else ()
             for scheme in (None, *other) + (("in-kernel",) if kind == "packed" else ()):
                 name = f"tp prefill causal deepseek {kind} T8192 H{heads} k2048" + (f" {scheme}" if scheme else "")
                 cases.append(attn_case(name, kind, 512, 64, heads, 8192, 8192, 2048, causal=True, scheme=scheme))
