@@ -59,24 +59,9 @@ def union_table(slots: int) -> int | None:
     return next((t for t in UNION_TABLES if slots <= t), None)
 
 
-def build_union(key: UnionKey):
-    """The TileLang program of ``key``: ``union(indices, [topk_length,] slots, union, lengths)`` (see the module)."""
-    import tilelang.language as T  # here, so that planning a launch imports neither TileLang nor torch
-
-    group, threads, words = key.tokens, UNION_THREADS, key.table // 4
-    warps = threads // WARP
-    t_count, k_count, n_groups, width = T.dynamic("t"), T.dynamic("k"), T.dynamic("n"), T.dynamic("w")
-
-    @T.macro
-    def entry(indices, topk_length, slots, g, j, pos, x, ok):
-        """``x[0]``: the index at ``pos`` of token ``j`` of group ``g`` (``pos`` past the row: -1), ``ok[0]`` whether
-        it is valid."""
-        tok = g * group + j
-        x[0] = -1
-        if pos < k_count:
-            x[0] = indices[tok, pos]
-        cut = topk_length[tok] if key.lengths else k_count
-        ok[0] = T.if_then_else((pos < cut) & (x[0] >= 0) & (x[0] < T.min(slots, key.table)), 1, 0)
+def _block_scan(warps: int):
+    """The macro ``block_scan(mine, excl, total, sums, tmp)`` of a CTA of ``warps`` warps."""
+    import tilelang.language as T
 
     @T.macro
     def block_scan(mine, excl, total, sums, tmp):
@@ -103,15 +88,52 @@ def build_union(key: UnionKey):
         excl[0] = excl[0] - mine[0] + T.if_then_else(warp > 0, sums[T.max(warp - 1, 0)], 0)
         total[0] = sums[warps - 1]
 
+    return block_scan
+
+
+def build_union(key: UnionKey):
+    """The TileLang program of ``key``: ``union(indices, [topk_length,] slots, union, lengths)`` (see the module)."""
+    import tilelang.language as T  # here, so that planning a launch imports neither TileLang nor torch
+
+    group, threads, words = key.tokens, UNION_THREADS, key.table // 4
+    block_scan = _block_scan(threads // WARP)
+    t_count, k_count, n_groups, width = T.dynamic("t"), T.dynamic("k"), T.dynamic("n"), T.dynamic("w")
+
+    @T.macro
+    def entry(indices, topk_length, slots, g, j, pos, x, ok):
+        """``x[0]``: the index at ``pos`` of token ``j`` of group ``g`` (``pos`` past the row: -1), ``ok[0]`` whether
+        it is valid."""
+        tok = g * group + j
+        x[0] = -1
+        if pos < k_count:
+            x[0] = indices[tok, pos]
+        cut = topk_length[tok] if key.lengths else k_count
+        ok[0] = T.if_then_else((pos < cut) & (x[0] >= 0) & (x[0] < T.min(slots, key.table)), 1, 0)
+
+    @T.macro
+    def emitted(indices, topk_length, slots, table, dup, g, j, pos, x, ok, value):
+        """``value[0]``: what the entry at ``pos`` of token ``j`` of group ``g`` adds to the union once every entry has
+        set its bit in ``table``: ``row | bits << 24``, or 0 where it adds nothing (invalid, or not the entry of the
+        row's lowest token); in a group with a duplicate (``dup``) every valid entry, with its own token's bit."""
+        entry(indices, topk_length, slots, g, j, pos, x, ok)
+        row = T.if_then_else(ok[0] != 0, x[0], 0)
+        bits = T.bitwise_and(T.shift_right(table[row // 4], (row % 4) * 8), 0xFF)
+        first = T.bitwise_and(bits, T.shift_left(T.int32(1), j) - 1) == 0
+        mine = T.if_then_else(dup[0] != 0, T.shift_left(T.int32(1), j), bits)
+        value[0] = T.if_then_else(
+            ok[0] != 0 and (dup[0] != 0 or first), T.bitwise_or(x[0], T.shift_left(mine, GROUP_ROW_BITS)), 0
+        )
+
     @T.macro
     def body(indices, topk_length, slots, union, lengths):
         with T.Kernel(n_groups, threads=threads) as g:
             table = T.alloc_shared((words,), T.int32)  # a byte per pool row: the bits of the tokens that select it
-            sums = T.alloc_shared((warps,), T.int32)
+            sums = T.alloc_shared((threads // WARP,), T.int32)
             dup = T.alloc_shared((1,), T.int32)
             x = T.alloc_local((1,), T.int32)
             ok = T.alloc_local((1,), T.int32)
             old = T.alloc_local((1,), T.int32)
+            value = T.alloc_local((1,), T.int32)
             mine = T.alloc_local((1,), T.int32)
             excl = T.alloc_local((1,), T.int32)
             total = T.alloc_local((1,), T.int32)
@@ -134,21 +156,14 @@ def build_union(key: UnionKey):
             T.sync_threads()
             mine[0] = 0
             for j, r in T.grid(group, rounds):
-                entry(indices, topk_length, slots, g, j, r * threads + tx, x, ok)
-                row = T.if_then_else(ok[0] != 0, x[0], 0)
-                bits = T.bitwise_and(T.shift_right(table[row // 4], (row % 4) * 8), 0xFF)
-                first = T.bitwise_and(bits, T.shift_left(T.int32(1), j) - 1) == 0
-                if ok[0] != 0 and (dup[0] != 0 or first):
+                emitted(indices, topk_length, slots, table, dup, g, j, r * threads + tx, x, ok, value)
+                if value[0] != 0:
                     mine[0] = mine[0] + 1
             block_scan(mine, excl, total, sums, tmp)
-            for j, r in T.grid(group, rounds):
-                entry(indices, topk_length, slots, g, j, r * threads + tx, x, ok)
-                row = T.if_then_else(ok[0] != 0, x[0], 0)
-                bits = T.bitwise_and(T.shift_right(table[row // 4], (row % 4) * 8), 0xFF)
-                first = T.bitwise_and(bits, T.shift_left(T.int32(1), j) - 1) == 0
-                if ok[0] != 0 and (dup[0] != 0 or first):
-                    mine_bits = T.if_then_else(dup[0] != 0, T.shift_left(T.int32(1), j), bits)
-                    union[g, excl[0]] = T.bitwise_or(x[0], T.shift_left(mine_bits, GROUP_ROW_BITS))
+            for j, r in T.grid(group, rounds):  # the same entries in the same order: each at its rank
+                emitted(indices, topk_length, slots, table, dup, g, j, r * threads + tx, x, ok, value)
+                if value[0] != 0:
+                    union[g, excl[0]] = value[0]
                     excl[0] = excl[0] + 1
             if tx == 0:
                 lengths[g] = total[0]
