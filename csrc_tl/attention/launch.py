@@ -5,7 +5,10 @@ GPU's SM count and whether the target is sm_90 CUDA. The backend asks the plan a
 A call runs the prefill kernel over its first ``prefill_tokens`` tokens (one CTA per (token, head block), or a
 persistent grid that walks them) and the split path over the rest: the split kernel over ``splits`` parts of each
 remaining token's top-k range, then the combine that merges the parts. A decode (few tokens) takes the split path
-only; a persistent prefill sends the tokens of its last, partial round there (:func:`plan_tail`).
+only; a persistent prefill sends the tokens of its last, partial round there (:func:`plan_tail`). A grouped prefill
+(:func:`plan_group`) runs the union kernel, then the prefill kernel over head blocks of several tokens, and plans its
+last tokens, fewer than a group, as a call of their own (``rest``); an FP8 pool may be widened to bf16 first
+(:func:`plan_widen_pool`).
 
 Letters: T tokens, H heads, K top-k entries (see :mod:`csrc_tl.attention`).
 """
