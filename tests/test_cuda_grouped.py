@@ -28,7 +28,8 @@ CASES = [
     ((256, 0, 16), "bf16", True),
     ((512, 64, 8), "fp8", False),
 ]
-PLANNED = ((512, 64, 8), "bf16", 517)  # the public op's own plan groups these tokens (a rest of 5)
+# the public op's own plan groups these tokens (a rest of 5) over a pool of 512 rows (a union of 45% of the selections)
+PLANNED = ((512, 64, 8), "bf16", 517, 512)
 
 
 def _keys(geo, kind, with_lengths, sink=False):
@@ -121,9 +122,9 @@ def test_grouped_sink_and_max_logits():
 def test_the_plan_groups_and_repeats_and_replays():
     # the public op over a small pool at 8 heads groups its tokens by its own plan; bit-identical repeats; a captured
     # graph replayed on new inputs
-    geo, kind, t_count = PLANNED
-    assert _plan(geo, kind, t_count, False).union is not None
-    inputs = attn_inputs(geo, kind, t_count, TOPK, SLOTS, seed=3)
+    geo, kind, t_count, slots = PLANNED
+    assert _plan(geo, kind, t_count, False, slots).union is not None
+    inputs = attn_inputs(geo, kind, t_count, TOPK, slots, seed=3)
     q, kv, idx = cuda(*inputs[:3])
     first = dsa.sparse_attn(q, kv, idx, *inputs[3:])
     again = dsa.sparse_attn(q, kv, idx, *inputs[3:])
@@ -132,7 +133,7 @@ def test_the_plan_groups_and_repeats_and_replays():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out, lse = dsa.sparse_attn(q, kv, idx, *inputs[3:])
-    fresh = attn_inputs(geo, kind, t_count, TOPK, SLOTS, seed=5)
+    fresh = attn_inputs(geo, kind, t_count, TOPK, slots, seed=5)
     for dst, src in zip((q, kv, idx), cuda(*fresh[:3])):
         dst.copy_(src)
     graph.replay()
