@@ -688,7 +688,7 @@ def _prefill_schemes(kind: str, heads: int) -> tuple:
 def _shard_cases() -> list[dict]:
     """Tensor-parallel shards (8, 16, 32 heads per GPU) on their schemes side by side, beside 64 and 128 heads of the
     same geometry: prefill and decode, random and causal indices; FP8 rows widened as a pool and in the kernel, tokens
-    grouped in head blocks or not, and where widening the pool starts to pay (tokens and pool rows)."""
+    grouped in head blocks or not, and where grouping and widening the pool start to pay (tokens and pool rows)."""
     cases = []
     for model, d_nope, d_rope in (("deepseek", 512, 64), ("glm5.3-flash", 512, 0)):
         for kind in ("bf16", "packed"):
@@ -703,6 +703,10 @@ def _shard_cases() -> list[dict]:
             for scheme in (None, *other) + (("in-kernel",) if kind == "packed" else ()):
                 name = f"tp prefill causal deepseek {kind} T8192 H{heads} k2048" + (f" {scheme}" if scheme else "")
                 cases.append(attn_case(name, kind, 512, 64, heads, 8192, 8192, 2048, causal=True, scheme=scheme))
+    for slots in (16384, 65536):  # where the plan stops grouping (8 heads): one token a block against grouped
+        for scheme in (None, "grouped"):
+            name = f"tp prefill deepseek bf16 T4096 S{slots} H8 k2048" + (f" {scheme}" if scheme else "")
+            cases.append(attn_case(name, "bf16", 512, 64, 8, 4096, slots, 2048, scheme=scheme))
     for tokens, slots in ((512, 8192), (1024, 65536)):
         for heads in (16, 128):
             for scheme in ("widened", "in-kernel"):
