@@ -268,8 +268,7 @@ def plan_launch(
         return dataclasses.replace(bf16, widen_pool=True)
     if group is None:
         group = transposed is None and slots is not None and plan_group(geo, tokens, topk, slots, sm90) > 1
-    fits = slots is not None and union_table(slots) is not None and tokens >= MAX_HEAD_BLOCK // geo.heads
-    if group and fits and sm90 and geo.kv_kind == "bf16" and geo.heads in GROUP_MAX_UNION and ws_supported(geo):
+    if group and _groupable(geo, tokens, slots, sm90):
         return _grouped_launch(geo, tokens, topk, sm_count, sink, max_logits, union_table(slots))
     kernels = attn_kernels(geo, sm90, sm_count, transposed, sink, max_logits)
     splits = plan_splits(tokens, geo.heads, topk, sm_count)
@@ -315,12 +314,19 @@ def plan_group(geo: AttnGeometry, tokens: int, topk: int, slots: int, sm90: bool
     from :data:`GROUP_MIN_TOKENS` tokens, over a pool the union kernel's table holds, where :func:`union_share`
     is at most :data:`GROUP_MAX_UNION`; else 1. GLM-5 at 8 heads, T 4096, K 2048 over 8192 rows: 8 tokens (a union of
     45% of the selections); over 65536 rows: 1 (90%); DeepSeek at 32 heads over 8192 rows: 2 tokens (88%)."""
-    if not sm90 or geo.kv_kind != "bf16" or geo.heads not in GROUP_MAX_UNION or not ws_supported(geo):
+    if not _groupable(geo, tokens, slots, sm90) or tokens < GROUP_MIN_TOKENS or topk <= 0:
         return 1
     per = MAX_HEAD_BLOCK // geo.heads
-    if tokens < GROUP_MIN_TOKENS or union_table(slots) is None or topk <= 0:
-        return 1
     return per if union_share(per, topk, slots) <= GROUP_MAX_UNION[geo.heads] else 1
+
+
+def _groupable(geo: AttnGeometry, tokens: int, slots: int | None, sm90: bool) -> bool:
+    """Whether a call can run grouped head blocks at all (forced or planned): the warp-specialized kernels of bf16
+    rows on sm_90 at a head count of :data:`GROUP_MAX_UNION`, a pool the union kernel's table holds, one whole group
+    of tokens or more."""
+    if not sm90 or geo.kv_kind != "bf16" or geo.heads not in GROUP_MAX_UNION or not ws_supported(geo):
+        return False
+    return slots is not None and union_table(slots) is not None and tokens >= MAX_HEAD_BLOCK // geo.heads
 
 
 def widened_geometry(geo: AttnGeometry) -> AttnGeometry:
