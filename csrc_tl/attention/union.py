@@ -6,12 +6,14 @@ An entry of the union is ``row | bits << 24`` (:data:`~csrc_tl.attention.geometr
 high byte set where token ``j`` of the group selects ``row``. Each distinct valid row appears once, with every
 selecting token's bit, where no token of the group selects a row twice; a group where some token does (duplicates
 count as often as they appear) lists every valid entry alone, with its token's bit, so that each counts once per
-appearance as in the per-token kernels. The order is fixed by the inputs (thread by thread, each thread's entries in
-turn: token by token, position by position), so results repeat bit for bit.
+appearance as in the per-token kernels. The union lists its entries in the order of the selections they come from
+(token by token, position by position), so results repeat bit for bit.
 
 How: one CTA a group. Every valid entry sets its token's bit in a shared byte per pool row (``atomicOr``, which also
-finds a token's duplicate); then each entry of the token of lowest bit of its row's byte emits the row, at its rank
-by a block-wide prefix sum of the counts of the threads.
+finds a token's duplicate); then each entry of the token of lowest bit of its row's byte emits the row, at its rank:
+each warp takes a run of consecutive positions of every token, counts what it emits of each token's, and writes it
+after the counts before it (of the tokens before, and of the warps before of the same token), a lane's place among
+its warp's by a shuffle scan, so the union's reads and writes coalesce.
 
 Shapes (G tokens a group, N groups, K top-k entries, S pool rows; all dynamic but G): ``indices [N * G, K] int32``
 (any values: valid those in ``[0, S)`` before ``topk_length[t]``), ``topk_length [N * G] int32`` (with ``lengths``),
@@ -59,36 +61,21 @@ def union_table(slots: int) -> int | None:
     return next((t for t in UNION_TABLES if slots <= t), None)
 
 
-def _block_scan(warps: int):
-    """The macro ``block_scan(mine, excl, total, sums, tmp)`` of a CTA of ``warps`` warps."""
+def _warp_scan():
+    """The macro ``warp_scan(flag, incl, tmp)``: ``incl[0]``, the sum of ``flag`` over this lane and the lanes below
+    it in its warp (shuffles: portable to 64-wide wavefronts, which shuffle in groups of 32)."""
     import tilelang.language as T
 
     @T.macro
-    def block_scan(mine, excl, total, sums, tmp):
-        """``excl[0]``: the sum of ``mine[0]`` over the threads before this one; ``total[0]``: over all."""
-        tx = T.get_thread_binding()
-        lane, warp = tx % WARP, tx // WARP
-        excl[0] = mine[0]
+    def warp_scan(flag, incl, tmp):
+        lane = T.get_thread_binding() % WARP
+        incl[0] = flag
         for delta in SHUFFLE_DELTAS:
-            tmp[0] = T.shfl_up(excl[0], delta, WARP)
+            tmp[0] = T.shfl_up(incl[0], delta, WARP)
             if lane >= delta:
-                excl[0] = excl[0] + tmp[0]
-        if lane == WARP - 1:
-            sums[warp] = excl[0]
-        T.sync_threads()
-        if warp == 0:
-            total[0] = T.if_then_else(lane < warps, sums[T.min(lane, warps - 1)], 0)
-            for delta in SHUFFLE_DELTAS:
-                tmp[0] = T.shfl_up(total[0], delta, WARP)
-                if lane >= delta:
-                    total[0] = total[0] + tmp[0]
-            if lane < warps:
-                sums[lane] = total[0]
-        T.sync_threads()
-        excl[0] = excl[0] - mine[0] + T.if_then_else(warp > 0, sums[T.max(warp - 1, 0)], 0)
-        total[0] = sums[warps - 1]
+                incl[0] = incl[0] + tmp[0]
 
-    return block_scan
+    return warp_scan
 
 
 def build_union(key: UnionKey):
@@ -96,7 +83,8 @@ def build_union(key: UnionKey):
     import tilelang.language as T  # here, so that planning a launch imports neither TileLang nor torch
 
     group, threads, words = key.tokens, UNION_THREADS, key.table // 4
-    block_scan = _block_scan(threads // WARP)
+    warps = threads // WARP
+    warp_scan = _warp_scan()
     t_count, k_count, n_groups, width = T.dynamic("t"), T.dynamic("k"), T.dynamic("n"), T.dynamic("w")
 
     @T.macro
@@ -128,25 +116,29 @@ def build_union(key: UnionKey):
     def body(indices, topk_length, slots, union, lengths):
         with T.Kernel(n_groups, threads=threads) as g:
             table = T.alloc_shared((words,), T.int32)  # a byte per pool row: the bits of the tokens that select it
-            sums = T.alloc_shared((threads // WARP,), T.int32)
+            counts = T.alloc_shared((group * warps,), T.int32)  # entries a warp adds of a token's, token-major
+            bases = T.alloc_shared((group * warps,), T.int32)  # where they go: the counts before them
             dup = T.alloc_shared((1,), T.int32)
             x = T.alloc_local((1,), T.int32)
             ok = T.alloc_local((1,), T.int32)
             old = T.alloc_local((1,), T.int32)
             value = T.alloc_local((1,), T.int32)
-            mine = T.alloc_local((1,), T.int32)
-            excl = T.alloc_local((1,), T.int32)
-            total = T.alloc_local((1,), T.int32)
+            incl = T.alloc_local((1,), T.int32)
+            at = T.alloc_local((1,), T.int32)
             tmp = T.alloc_local((1,), T.int32)
             tx = T.get_thread_binding()
-            rounds = T.ceildiv(k_count, threads)  # of each token's entries
+            lane, warp = tx % WARP, tx // WARP
+            # each warp a run of consecutive positions of every token, a lane a position of each step: the reads and
+            # the union's writes coalesce, and the union lists the entries it keeps in their order
+            steps = T.ceildiv(k_count, threads)
+            run = warp * steps * WARP + lane
             for i in T.serial(words // threads):
                 table[i * threads + tx] = 0
             if tx == 0:
                 dup[0] = 0
             T.sync_threads()
-            for j, r in T.grid(group, rounds):
-                entry(indices, topk_length, slots, g, j, r * threads + tx, x, ok)
+            for j, s in T.grid(group, steps):
+                entry(indices, topk_length, slots, g, j, run + s * WARP, x, ok)
                 if ok[0] != 0:
                     bit = T.shift_left(T.int32(1), (x[0] % 4) * 8 + j)
                     # (atomicOr itself: TileLang's AtomicOr is a global-memory reduction)
@@ -154,19 +146,32 @@ def build_union(key: UnionKey):
                     if T.bitwise_and(old[0], bit) != 0:  # the token selected this row before
                         dup[0] = 1
             T.sync_threads()
-            mine[0] = 0
-            for j, r in T.grid(group, rounds):
-                emitted(indices, topk_length, slots, table, dup, g, j, r * threads + tx, x, ok, value)
-                if value[0] != 0:
-                    mine[0] = mine[0] + 1
-            block_scan(mine, excl, total, sums, tmp)
-            for j, r in T.grid(group, rounds):  # the same entries in the same order: each at its rank
-                emitted(indices, topk_length, slots, table, dup, g, j, r * threads + tx, x, ok, value)
-                if value[0] != 0:
-                    union[g, excl[0]] = value[0]
-                    excl[0] = excl[0] + 1
-            if tx == 0:
-                lengths[g] = total[0]
+            for j in T.serial(group):
+                at[0] = 0
+                for s in T.serial(steps):
+                    emitted(indices, topk_length, slots, table, dup, g, j, run + s * WARP, x, ok, value)
+                    at[0] = at[0] + T.if_then_else(value[0] != 0, 1, 0)
+                for delta in SHUFFLE_DELTAS:  # the warp's count, in every lane
+                    at[0] = at[0] + T.shfl_xor(at[0], delta, WARP)
+                if lane == 0:
+                    counts[j * warps + warp] = at[0]
+            T.sync_threads()
+            if tx < group * warps:
+                at[0] = 0
+                for u in T.serial(group * warps):
+                    at[0] = at[0] + T.if_then_else(u < tx, counts[u], 0)
+                bases[tx] = at[0]
+                if tx == group * warps - 1:
+                    lengths[g] = at[0] + counts[tx]
+            T.sync_threads()
+            for j in T.serial(group):  # the same entries again, each at its rank
+                at[0] = bases[j * warps + warp]
+                for s in T.serial(steps):
+                    emitted(indices, topk_length, slots, table, dup, g, j, run + s * WARP, x, ok, value)
+                    warp_scan(T.if_then_else(value[0] != 0, 1, 0), incl, tmp)
+                    if value[0] != 0:
+                        union[g, at[0] + incl[0] - 1] = value[0]
+                    at[0] = at[0] + T.shfl_sync(incl[0], WARP - 1, WARP)
 
     idx_t, len_t = T.Tensor((t_count, k_count), T.int32), T.Tensor((t_count,), T.int32)
     union_t, lengths_t = T.Tensor((n_groups, width), T.int32), T.Tensor((n_groups,), T.int32)
