@@ -516,14 +516,15 @@ def test_group_plan():
     assert rest.keys == (rest.union, rest.prefill) + rest.rest.keys and rest.rest.split
     assert "(last 5 tokens)" in str(rest)
     # the expected union of distinct uniform selections decides, against a bound a head count: 45% of the selections
-    # at 8 tokens over 8192 rows, 68% at 4, 88% at 2 (32 heads); 66% at 8 tokens over 16384 rows (not grouped), 90%
-    # over 65536
+    # at 8 tokens over 8192 rows, 68% at 4, 88% at 2 (32 heads); 66% at 8 tokens over 16384 rows (grouped: the
+    # bench's crossover), 71% over 20480 rows, 90% over 65536 (not grouped)
     assert math.isclose(union_share(8, 2048, 8192), 8192 * (1 - 0.75**8) / (8 * 2048))
     assert tuple(GROUP_MAX_UNION) == GROUP_HEADS
     for heads in GROUP_HEADS:
         assert union_share(64 // heads, 2048, 8192) <= GROUP_MAX_UNION[heads] < union_share(64 // heads, 2048, 65536)
     assert plan_launch(geometry("bf16", 512, 64, 32), 4096, 2048, 132, True, slots=8192).group == 2
-    assert plan_launch(bf8, 4096, 2048, 132, True, slots=16384).group == 1
+    assert plan_launch(bf8, 4096, 2048, 132, True, slots=16384).group == 8
+    assert plan_launch(bf8, 4096, 2048, 132, True, slots=20480).group == 1
     assert plan_launch(bf8, 4096, 2048, 132, True, slots=65536).group == 1
     # never: under GROUP_MIN_TOKENS, 64 heads or more, off sm_90, no pool size, a pool past the largest table, the
     # consumers forced
