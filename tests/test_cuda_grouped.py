@@ -9,9 +9,10 @@ import pytest
 import torch
 
 import sparse_dsa_ops as dsa
+from csrc_tl.attention.union import UNION_TABLES, UnionKey
 from sparse_dsa_ops import reference
 from sparse_dsa_ops._cuda.attention import _attend
-from sparse_dsa_ops._cuda.compile import sm_count
+from sparse_dsa_ops._cuda.compile import kernel, sm_count
 from sparse_dsa_ops.ops import OPS
 from tests.test_cuda import attn_inputs, check_attn, cuda, gen, kernel_kind, poison_allocator
 
@@ -50,6 +51,7 @@ def compiled():
         pytest.skip("grouped head blocks run on sm_90 only")
     keys = [k for geo, kind, with_lengths in CASES for k in _keys(geo, kind, with_lengths)]
     keys += _keys((512, 64, 16), "bf16", True, sink=True) + _keys(PLANNED[0], PLANNED[1], False)
+    keys += [UnionKey(per, UNION_TABLES[0], lengths) for per in (2, 4, 8) for lengths in (False, True)]
     dsa._cuda.warmup(list(dict.fromkeys(keys)), workers=16, progress=False)
 
 
@@ -138,3 +140,57 @@ def test_the_plan_groups_and_repeats_and_replays():
         dst.copy_(src)
     graph.replay()
     check_attn((out.clone(), lse.clone()), reference.sparse_attn(*fresh))
+
+
+def _union_oracle(idx: torch.Tensor, lengths, slots: int, per: int) -> list[list[int]]:
+    """Each group's union as the union kernel lists it (:mod:`csrc_tl.attention.union`), entries as unsigned 32-bit
+    ints: the valid rows (before the token's length, in ``[0, slots)``) in the order of their first selection, token
+    by token and position by position, each with the bits of every token that selects it above bit 24; in a group
+    where a token selects a row twice, every valid entry in that order with its own token's bit."""
+    t_count, k = idx.shape
+    unions = []
+    for g in range(t_count // per):
+        valid = []
+        for j in range(per):
+            cut = k if lengths is None else int(lengths[g * per + j])
+            valid.append([x for p, x in enumerate(idx[g * per + j].tolist()) if p < cut and 0 <= x < slots])
+        if any(len(set(v)) < len(v) for v in valid):
+            unions.append([x | 1 << (24 + j) for j in range(per) for x in valid[j]])
+            continue
+        bits = {}
+        for j, rows in enumerate(valid):
+            for x in rows:
+                bits[x] = bits.get(x, 0) | 1 << j
+        seen, entries = set(), []
+        for rows in valid:
+            for x in rows:
+                if x not in seen:
+                    seen.add(x)
+                    entries.append(x | bits[x] << 24)
+        unions.append(entries)
+    return unions
+
+
+@pytest.mark.parametrize("with_lengths", [False, True], ids=["all", "lengths"])
+@pytest.mark.parametrize("per", [2, 4, 8])
+def test_union_kernel_against_its_oracle(per, with_lengths):
+    # overlapping selections with the hostile sentinels, one group with a token's duplicate, an odd top-k width (a
+    # warp's run ends inside a step); the union poisoned before the call: nothing written past a group's length
+    t_count, k, slots = 6 * per, 300, 700
+    g = gen(per + 10 * with_lengths)
+    idx = torch.stack([torch.randperm(slots + 60, generator=g)[:k] - 30 for _ in range(t_count)]).int()
+    idx[:, 3], idx[:, 11], idx[:, 17] = -(2**31), 2**31 - 1, slots
+    idx[per, 2] = idx[per, 40] = 5  # a duplicate: group 1 lists its entries alone
+    lengths = torch.randint(-2, k + 30, (t_count,), generator=g, dtype=torch.int32) if with_lengths else None
+    if with_lengths:
+        lengths[0], lengths[per] = 0, k
+    union = torch.full((t_count // per, per * k), -7, dtype=torch.int32, device="cuda")
+    count = torch.full((t_count // per,), -7, dtype=torch.int32, device="cuda")
+    cut = () if lengths is None else (lengths.cuda(),)
+    kernel(UnionKey(per, UNION_TABLES[0], with_lengths))(idx.cuda(), *cut, slots, union, count)
+    want = _union_oracle(idx, lengths, slots, per)
+    union, count = union.cpu(), count.cpu()
+    for grp, entries in enumerate(want):
+        assert count[grp] == len(entries)
+        assert [x & 0xFFFFFFFF for x in union[grp, : len(entries)].tolist()] == entries
+        assert (union[grp, len(entries) :] == -7).all()
