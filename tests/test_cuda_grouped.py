@@ -1,7 +1,8 @@
 """Sparse attention in grouped head blocks on the GPU: at 8-32 heads a prefill over bf16 rows (or its pool widened)
 runs head blocks of several tokens over the union of their selections (``plan_group``), against the reference with
 the hostile inputs of the attention suite, and over overlapping selections without duplicates (the union merges
-rows; a token's duplicate makes its group list every entry alone)."""
+rows; a token's duplicate makes its group list every entry alone); and the union kernel alone against an oracle of
+the lists it writes."""
 
 import math
 
