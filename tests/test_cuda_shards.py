@@ -12,9 +12,11 @@ from tests.test_cuda import attn_inputs, check_attn, check_sink_and_max, cuda, g
 pytestmark = pytest.mark.cuda
 
 # (geometry (d_v, d_rope, heads), kind) of the shard cases: 512-wide rows with and without the tail at head counts
-# that are and are not multiples of 8; 256-wide rows take the transposed consumers in the split kernel only
+# that are and are not multiples of 8, every kv kind; 256-wide rows take the transposed consumers in the split kernel
+# only
 SHARD_CASES = [
     ((512, 64, 1), "bf16"),
+    ((512, 0, 3), "fp8-kv"),
     ((512, 64, 5), "packed"),
     ((512, 64, 8), "bf16"),
     ((512, 64, 8), "packed"),
